@@ -1,0 +1,128 @@
+"""Hook specifications: the contract between the core, the plugins and the trainer adapters.
+
+An adapter (HF Trainer, Lightning, torchtitan) drives these events through `AnisoPlugins`;
+plugins implement any subset with ``@hookimpl``. Built-in methods and metrics are plugins
+registered through the same hooks as third-party ones (`aniso_make_plugins`).
+
+Every hook is called on **every rank**, in the same order, so plugins may rely on
+`aniso_plugins.reduce.reduce_stats` being called collectively by the core. Plugins never run
+collectives of their own inside a hook unless the spec says the hook is collective.
+
+Order of events for one optimizer step with A micro-batches::
+
+    aniso_targets(m=0) forward/backward ... aniso_targets(m=A-1) [aniso_loss_terms] forward/backward
+    (gradient clipping, optimizer step) aniso_step_end
+    at measurement steps: aniso_metric_stats (rounds) -> aniso_metrics -> aniso_log
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import AnisoConfig
+    from .model import ModelHandle
+    from .reduce import Stat
+    from .steps import StepInfo
+
+PROJECT = "aniso_plugins"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def aniso_make_plugins(config: AnisoConfig) -> list[object] | None:
+    """Return plugin objects to register for `config` (possibly none).
+
+    Called once per rank when `AnisoPlugins` is built, on every module registered through
+    the ``aniso_plugins`` entry-point group and on the built-in `default_plugins`. Each returned
+    object is registered and receives the other hooks. Read only the fields you own; raise
+    `aniso_plugins.ConfigError` for a value you cannot honour."""
+
+
+@hookspec
+def aniso_setup(model: ModelHandle, config: AnisoConfig) -> None:
+    """Set up on the model, once per rank, before the optimizer exists and before the trainer
+    wraps the model (DDP / FSDP2): head surgery (untie, low-rank, gated forward), forward or
+    backward hooks for probes. Head replacements run first (``tryfirst=True``), wrappers of the
+    final head after them. Raise `aniso_plugins.SetupError` for a model you cannot handle."""
+
+
+@hookspec
+def aniso_targets(targets: torch.Tensor, step: StepInfo) -> None:
+    """See the targets of one **training** micro-batch before its forward and backward.
+
+    `targets` holds the next-token ids aligned with the LM head's output positions (the causal
+    shift already done, shape ``(..., T)``), ``config.ignore_index`` where no loss is taken.
+    Called once per micro-batch, `step.micro_batch` counting from 0 within the optimizer step.
+    Never called for validation or evaluation batches."""
+
+
+@hookspec
+def aniso_loss_terms(step: StepInfo) -> dict[str, torch.Tensor] | None:
+    """Return extra loss terms, name -> differentiable scalar, for this optimizer step.
+
+    Called on one micro-batch per optimizer step (the last, ``step.last_micro_batch``), inside
+    that micro-batch's forward, unless ``config.reg_every_microbatch`` (then on every
+    micro-batch, and a term must carry its own 1 / ``step.accumulation_steps``). The core sums
+    all terms; the adapter makes the gradient of the sum reach the parameters exactly once per
+    optimizer step, before gradient clipping, with the same value on every rank (each term
+    must therefore be the global value, identical across ranks). Values are logged as
+    ``aniso/loss/<name>``."""
+
+
+@hookspec
+def aniso_step_end(step: StepInfo) -> None:
+    """The optimizer step `step.step` has been applied (weights updated, gradients about to be
+    zeroed). Advance counters and schedules here."""
+
+
+@hookspec
+def aniso_metric_stats(step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+    """Return reducible statistics for a measurement, name -> `Stat` (value and reduce op).
+
+    `kind` is "train" (at measurement steps) or "eval" (after an evaluation loop). Called in
+    rounds: first with ``reduced == {}``; the core reduces everything returned in one flat
+    collective per (dtype, op), then calls again with all reduced statistics so far, so a
+    metric needing a second pass (eigenvectors of a reduced Gram matrix, then a distributed
+    log-sum-exp) returns its second-round statistics then. Return None when you have nothing
+    more; rounds end when no plugin returns anything. Names must be unique across plugins:
+    prefix them with your plugin's name. Must return the same names on every rank."""
+
+
+@hookspec
+def aniso_metrics(step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+    """Finish metrics from the reduced statistics, name -> Python float, on every rank.
+
+    Names are relative (``"geometry/mean_cosine"``); the core prefixes ``aniso/`` (and the
+    adapter its own ``eval`` prefix for `kind` "eval"). Every rank computes identical values."""
+
+
+@hookspec
+def aniso_eval_batch(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """See one evaluation batch: logits ``(..., T, V)`` (local vocabulary, full rows) and the
+    aligned targets ``(..., T)``. Accumulate local statistics for `aniso_metric_stats` with
+    ``kind == "eval"``; reset them when that measurement has been finished."""
+
+
+@hookspec
+def aniso_log(metrics: Mapping[str, float], step: int, kind: str) -> None:
+    """Observe finished metrics (already prefixed), e.g. to send them to an extra sink. The
+    adapter has already put them into the trainer's own logger. Called on every rank."""
+
+
+@hookspec
+def aniso_state_dict() -> dict[str, dict[str, torch.Tensor]] | None:
+    """Return state to checkpoint as ``{namespace: {key: tensor}}`` (namespace: your plugin's
+    name). Must be identical on every rank (reduce first); rank 0 writes it."""
+
+
+@hookspec
+def aniso_load_state_dict(state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Restore from what `aniso_state_dict` returned; take your namespace, ignore the others.
+    Called on every rank before the first training step of a resumed run."""

@@ -1,0 +1,41 @@
+"""Loss terms from plugins, and how an adapter makes them reach the gradients.
+
+Some trainers let a callback change the loss (Lightning by patching ``training_step``,
+torchtitan's loss); the HF Trainer does not, and clips gradients before any callback sees
+them. `attach_loss` covers every case the same way: it returns ``output`` unchanged and,
+in backward, sends ``scale`` as the gradient of the scalar ``loss`` — as if ``scale * loss``
+had been added to whatever loss ``output`` flows into, whatever that loss's own scaling
+(mean over tokens, division by accumulation steps, AMP-free) is. The adapter picks the one
+micro-batch per optimizer step and the `scale` that its data-parallel reduction needs
+(1 when gradients are averaged over ranks and every rank adds the same term; 1/world when
+they are summed)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class _AttachLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Return `output` (same value) such that backward through it also backpropagates
+    ``scale * loss``. `loss` is a differentiable scalar; `output` must reach the loss."""
+    if loss.dim() != 0:
+        raise ValueError(f"attach_loss: loss must be a scalar, got shape {tuple(loss.shape)}")
+    if not loss.requires_grad:
+        return output
+    return _AttachLoss.apply(output, loss, scale)
+
+
+__all__ = ["attach_loss"]

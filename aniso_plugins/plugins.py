@@ -1,0 +1,186 @@
+"""The plugin manager: builds the plugins for a configuration and drives their hooks.
+
+`AnisoPlugins(config)` registers the built-in `default_plugins` module and every module of the
+``aniso_plugins`` entry-point group, asks each of them for plugin objects
+(`aniso_make_plugins`), registers those, and then offers one method per event of the hook
+specs. Adapters call these methods; they never call hooks directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+import pluggy
+import torch
+
+from . import hookspecs
+from .config import AnisoConfig
+from .loss import attach_loss
+from .model import ModelHandle
+from .reduce import Stat, reduce_stats
+from .state import load_state, save_state
+from .steps import StepInfo
+
+logger = logging.getLogger("aniso_plugins")
+
+ENTRY_POINT_GROUP = "aniso_plugins"
+METRIC_PREFIX = "aniso/"
+MAX_METRIC_ROUNDS = 8
+
+
+def _plugin_name(plugin: object) -> str:
+    return getattr(plugin, "name", None) or type(plugin).__name__
+
+
+class AnisoPlugins:
+    """The plugins configured for one training run, and the events that drive them.
+
+    config: the run's `AnisoConfig`.
+    plugins: extra plugin objects or modules to register (a third party's own, or tests').
+    """
+
+    def __init__(self, config: AnisoConfig | None = None, plugins: Iterable[object] = ()) -> None:
+        self.config = config if config is not None else AnisoConfig()
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        from . import default_plugins
+
+        self.pm.register(default_plugins, name="aniso_plugins.default_plugins")
+        if self.config.load_entry_points:
+            self.pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for plugin in plugins:
+            self.register(plugin)
+        for made in self.pm.hook.aniso_make_plugins(config=self.config):
+            for plugin in made or ():
+                self.register(plugin)
+        self.pm.check_pending()
+        self.last_loss_terms: dict[str, float] = {}
+
+    # --- registration -----------------------------------------------------------------------
+    def register(self, plugin: object, name: str | None = None) -> object:
+        """Register a plugin object or module; returns it. Names must be unique."""
+        name = name or _plugin_name(plugin)
+        if self.pm.get_plugin(name) is not None:
+            raise ValueError(
+                f"a plugin named {name!r} is already registered (entry-point modules are registered "
+                "under their entry-point name: give plugin objects other names)"
+            )
+        self.pm.register(plugin, name=name)
+        return plugin
+
+    def get(self, name: str) -> object | None:
+        """The registered plugin called `name`, or None."""
+        return self.pm.get_plugin(name)
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the registered plugins, modules included."""
+        return [name for name, _ in self.pm.list_name_plugin()]
+
+    # --- events -----------------------------------------------------------------------------
+    def setup(self, model: ModelHandle) -> None:
+        """Head surgery and probes; once, before the optimizer exists and the model is wrapped."""
+        self.pm.hook.aniso_setup(model=model, config=self.config)
+
+    def targets(self, targets: torch.Tensor, step: StepInfo) -> None:
+        """Targets of a training micro-batch (causal shift done), before its forward."""
+        self.pm.hook.aniso_targets(targets=targets, step=step)
+
+    def applies_loss_terms(self, step: StepInfo) -> bool:
+        """Whether loss terms are due on this micro-batch (once per optimizer step by default)."""
+        return self.config.reg_every_microbatch or step.last_micro_batch
+
+    def loss_terms(self, step: StepInfo) -> torch.Tensor | None:
+        """Sum of the plugins' loss terms for this micro-batch (None if there are none).
+        Remembers their values for the next measurement."""
+        total = None
+        values: dict[str, float] = {}
+        for terms in self.pm.hook.aniso_loss_terms(step=step):
+            for name, term in (terms or {}).items():
+                if name in values:
+                    raise ValueError(f"two plugins returned a loss term named {name!r}")
+                values[name] = float(term.detach())
+                total = term if total is None else total + term
+        self.last_loss_terms = values
+        return total
+
+    def attach_loss_terms(self, output: torch.Tensor, step: StepInfo, scale: float = 1.0) -> torch.Tensor:
+        """`output` with the step's loss terms attached (see `aniso_plugins.loss.attach_loss`),
+        or unchanged when no term is due on this micro-batch."""
+        if not self.applies_loss_terms(step):
+            return output
+        total = self.loss_terms(step)
+        return output if total is None else attach_loss(output, total, scale)
+
+    def step_end(self, step: StepInfo) -> None:
+        """After the optimizer step."""
+        self.pm.hook.aniso_step_end(step=step)
+
+    def eval_batch(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
+        """One evaluation batch (logits and causally aligned targets)."""
+        self.pm.hook.aniso_eval_batch(logits=logits, targets=targets)
+
+    def measure(self, step: StepInfo, kind: str = "train", group=None) -> dict[str, float]:
+        """Collect, reduce and finish all metrics of `kind` ("train" or "eval"). Collective:
+        every rank must call it. Returns ``aniso/``-prefixed names -> floats, identical on
+        every rank; for "train" it includes the last loss-term values."""
+        if kind not in ("train", "eval"):
+            raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
+        reduced: dict[str, torch.Tensor] = {}
+        for _ in range(MAX_METRIC_ROUNDS):
+            stats: dict[str, Stat] = {}
+            for part in self.pm.hook.aniso_metric_stats(step=step, kind=kind, reduced=reduced):
+                for name, stat in (part or {}).items():
+                    if name in stats or name in reduced:
+                        raise ValueError(f"two metric statistics are named {name!r}")
+                    stats[name] = stat
+            if not stats:
+                break
+            reduced.update(reduce_stats(stats, group=group))
+        else:
+            raise RuntimeError(f"metric statistics did not settle in {MAX_METRIC_ROUNDS} rounds")
+        out: dict[str, float] = {}
+        for part in self.pm.hook.aniso_metrics(step=step, kind=kind, reduced=reduced):
+            for name, value in (part or {}).items():
+                out[METRIC_PREFIX + name] = float(value)
+        if kind == "train":
+            out.update({f"{METRIC_PREFIX}loss/{k}": v for k, v in self.last_loss_terms.items()})
+        return out
+
+    def log(self, metrics: Mapping[str, float], step: int, kind: str = "train") -> None:
+        """Let plugins observe finished metrics (after the adapter logged them)."""
+        self.pm.hook.aniso_log(metrics=metrics, step=step, kind=kind)
+
+    # --- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """All plugins' state, ``{namespace: {key: tensor}}``."""
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for part in self.pm.hook.aniso_state_dict():
+            for namespace, entries in (part or {}).items():
+                if namespace in state:
+                    raise ValueError(f"two plugins saved state under {namespace!r}")
+                state[namespace] = dict(entries)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Restore all plugins from `state_dict()` output."""
+        self.pm.hook.aniso_load_state_dict(state=state)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write `state_dict()` to a safetensors file (see `aniso_plugins.state`)."""
+        save_state(path, self.state_dict(), self.config.to_dict())
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Load a file written by `save` under a compatible configuration."""
+        self.load_state_dict(load_state(path, self.config.to_dict()))
+
+    def metrics_due(self, step: int, trainer_logs: bool) -> bool:
+        """Whether `step` is a measurement step: every ``config.metrics_every`` steps, or at the
+        trainer's own logging steps (`trainer_logs`) when that is None."""
+        every = self.config.metrics_every
+        return trainer_logs if every is None else step % every == 0
+
+
+__all__ = ["AnisoPlugins", "ENTRY_POINT_GROUP", "METRIC_PREFIX", "logger"]

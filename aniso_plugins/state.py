@@ -1,0 +1,88 @@
+"""Plugin state on disk: one safetensors file with a small JSON header.
+
+Layout: tensors named ``<plugin>/<key>``; safetensors metadata holds ``format``
+("aniso_plugins.state"), ``version`` (of the file format), ``package`` (aniso_plugins version)
+and ``config`` (the `AnisoConfig` as JSON). A file written under another format version or
+another training configuration is refused with a message that names the difference, because
+counters and fitted transforms are only meaningful for the configuration that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "aniso_plugins.state"
+FORMAT_VERSION = 1
+# Fields whose change makes saved state meaningless (the rest, e.g. metric cadence, may change on resume).
+STATE_FIELDS = ("method", "head", "alpha", "window", "special_ids", "ignore_index", "lowrank_rank")
+
+
+class StateError(RuntimeError):
+    """A state file cannot be loaded into this configuration."""
+
+
+def save_state(path: str | os.PathLike, state: Mapping[str, Mapping[str, torch.Tensor]], config: Mapping) -> None:
+    """Write ``{plugin: {key: tensor}}`` to `path` atomically (temp file + rename)."""
+    from . import __version__
+
+    tensors = {}
+    for plugin, entries in state.items():
+        for key, value in entries.items():
+            if "/" in plugin:
+                raise ValueError(f"plugin name {plugin!r} must not contain '/'")
+            tensors[f"{plugin}/{key}"] = value.detach().contiguous().cpu()
+    meta = {
+        "format": FORMAT,
+        "version": str(FORMAT_VERSION),
+        "package": __version__,
+        "config": json.dumps(dict(config), sort_keys=True),
+        "plugins": json.dumps(sorted(state)),
+    }
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(tensors, tmp, metadata=meta)
+    os.replace(tmp, path)
+
+
+def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, torch.Tensor]]:
+    """Read a file written by `save_state` and check it against `config`.
+
+    Raises `StateError` if the file is not ours, has another format version, or was written
+    under a configuration that differs in any of `STATE_FIELDS`."""
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise StateError(f"{path}: not an aniso_plugins state file (format={meta.get('format')!r})")
+    if meta.get("version") != str(FORMAT_VERSION):
+        raise StateError(
+            f"{path}: state format version {meta.get('version')} (package {meta.get('package')}), "
+            f"this package reads version {FORMAT_VERSION}"
+        )
+    saved = json.loads(meta.get("config", "{}"))
+    diffs = [
+        f"{k}: saved {saved.get(k)!r}, now {_jsonable(config.get(k))!r}"
+        for k in STATE_FIELDS
+        if _jsonable(saved.get(k)) != _jsonable(config.get(k))
+    ]
+    if diffs:
+        raise StateError(f"{path}: written under another configuration ({'; '.join(diffs)})")
+    state: dict[str, dict[str, torch.Tensor]] = {p: {} for p in json.loads(meta.get("plugins", "[]"))}
+    for name, tensor in load_file(path).items():
+        plugin, key = name.split("/", 1)
+        state.setdefault(plugin, {})[key] = tensor
+    return state
+
+
+def _jsonable(value):
+    return json.loads(json.dumps(value))
+
+
+__all__ = ["save_state", "load_state", "StateError", "FORMAT_VERSION"]
