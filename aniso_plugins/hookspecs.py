@@ -60,7 +60,9 @@ def aniso_targets(targets: torch.Tensor, step: StepInfo) -> None:
     `targets` holds the next-token ids aligned with the LM head's output positions (the causal
     shift already done, shape ``(..., T)``), ``config.ignore_index`` where no loss is taken.
     Called once per micro-batch, `step.micro_batch` counting from 0 within the optimizer step.
-    Never called for validation or evaluation batches."""
+    Never called for validation or evaluation batches. Collective-safe: every rank calls it for
+    every micro-batch in the same order, so a plugin may all_reduce here (AGG sums its
+    micro-batch token counts so that every rank computes identical gates)."""
 
 
 @hookspec
@@ -79,7 +81,8 @@ def aniso_loss_terms(step: StepInfo) -> dict[str, torch.Tensor] | None:
 @hookspec
 def aniso_step_end(step: StepInfo) -> None:
     """The optimizer step `step.step` has been applied (weights updated, gradients about to be
-    zeroed). Advance counters and schedules here."""
+    zeroed). Advance counters and schedules here. Collective-safe: every rank calls it once
+    per optimizer step in the same order (a plugin may all_reduce its step's local counts)."""
 
 
 @hookspec

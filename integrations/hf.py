@@ -1,0 +1,285 @@
+"""Hugging Face Trainer adapter: one callback.
+
+    from aniso_plugins import AnisoConfig
+    from aniso_plugins.integrations.hf import AnisoCallback
+
+    trainer = Trainer(model=model, args=args, train_dataset=ds,
+                      callbacks=[AnisoCallback(AnisoConfig(method="agg"))])
+
+What the callback does with the Trainer (transformers 5.x; see shared/docs/hf-and-lightning.md):
+
+- ``on_init_end`` (inside ``Trainer.__init__``, before the optimizer exists and before
+  accelerate wraps the model): head surgery through `aniso_plugins.TrainingSession.setup`.
+  Callbacks are never handed the Trainer, so the callback finds the Trainer that is
+  constructing it on the call stack (or use `attach(trainer)` for one built earlier) and
+  (1) moves itself right after ``DefaultFlowCallback``, before the reporters, so metrics it adds
+  in ``on_log`` reach TensorBoard / W&B / every ``report_to``; (2) wraps the instance's
+  ``training_step`` (sees each training micro-batch's labels before the forward, also when a
+  ``compute_loss_func`` later pops them) and ``prediction_step`` (evaluation labels);
+  (3) wraps ``train`` to learn which checkpoint a run resumes from.
+- Loss terms are attached in the LM head's forward on the last micro-batch of each optimizer
+  step: their gradient reaches the weights before clipping, once per step, and DDP averages
+  identical per-rank contributions (no double counting).
+- Metrics are measured on every rank at the Trainer's logging steps (or every
+  ``config.metrics_every`` steps) and added to the Trainer's log record; evaluation metrics
+  after ``evaluate()`` under ``eval_aniso/...``.
+- Plugin state is written to ``checkpoint-N/aniso_state.safetensors`` on save and restored
+  at ``train(resume_from_checkpoint=...)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import AnisoConfig, ModelHandle, SetupError
+from ..session import TrainingSession, causal_targets
+
+try:
+    from transformers import PreTrainedModel, Trainer, TrainerCallback
+    from transformers.trainer_callback import DefaultFlowCallback
+    from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError('aniso_plugins.integrations.hf needs transformers: pip install "aniso-plugins[hf]"') from e
+
+logger = logging.getLogger("aniso_plugins.hf")
+
+_EVAL_PREFIX = "eval_"
+
+
+class HFModelHandle(ModelHandle):
+    """`ModelHandle` for a transformers ``PreTrainedModel``: the head is
+    ``get_output_embeddings()``, the embedding ``get_input_embeddings()``, the blocks the
+    modules whose class is in ``_no_split_modules``; untying sets ``tie_word_embeddings=False``
+    on the config (and its text config) so that nothing re-ties the weights."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        if not isinstance(model, PreTrainedModel):
+            raise SetupError(f"AnisoCallback needs a transformers PreTrainedModel, got {type(model).__name__}")
+        if model.get_output_embeddings() is None:
+            raise SetupError(
+                f"{type(model).__name__}.get_output_embeddings() is None: AnisoCallback needs a causal LM "
+                "with an output-embedding (LM head) Linear"
+            )
+        super().__init__(model, on_untie=self._mark_untied)
+
+    def head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def set_head(self, module: nn.Module) -> None:
+        self.model.set_output_embeddings(module)
+
+    def input_embedding(self) -> nn.Module | None:
+        try:
+            return self.model.get_input_embeddings()
+        except NotImplementedError:
+            return None
+
+    def blocks(self) -> list[nn.Module]:
+        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        return [m for m in self.model.modules() if type(m).__name__ in names]
+
+    def _mark_untied(self) -> None:
+        configs = {id(self.model.config): self.model.config}
+        text = self.model.config.get_text_config()
+        configs[id(text)] = text
+        for cfg in configs.values():
+            cfg.tie_word_embeddings = False
+
+
+def _constructing_trainer() -> Trainer | None:
+    """The `Trainer` whose ``__init__`` is on the call stack (callbacks are not given it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class AnisoCallback(TrainerCallback):
+    """Runs aniso_plugins methods and metrics inside a `transformers.Trainer`.
+
+    config: the `AnisoConfig` (default: geometry metrics only, training unchanged).
+    plugins: extra plugin objects (third-party plugins also load from entry points).
+    """
+
+    def __init__(self, config: AnisoConfig | None = None, plugins: Iterable[object] = ()) -> None:
+        self.session = TrainingSession(config, plugins)
+        self.config = self.session.config
+        self.trainer: Trainer | None = None
+        self._pending: dict[str, float] = {}
+        self._resume_dir: str | None = None
+        self._measure_next = False
+
+    # --- wiring -----------------------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> AnisoCallback:
+        """Wire this callback into `trainer` (done automatically when the callback is passed
+        to ``Trainer(callbacks=[...])``). Call before ``train()``; returns self."""
+        if self.trainer is trainer:
+            return self
+        if self.trainer is not None:
+            raise RuntimeError("this AnisoCallback is already attached to another Trainer")
+        if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != "none":
+            raise SetupError(
+                "TrainingArguments(use_liger_kernel=True) computes the loss from lm_head.weight directly and "
+                f"bypasses the head, so method={self.config.method!r} would silently do nothing; turn Liger off"
+            )
+        if trainer.optimizer is not None and (self.config.head != "keep"):
+            raise SetupError(
+                f"head={self.config.head!r} adds parameters, but the Trainer was given an optimizer already; "
+                "let the Trainer create its optimizer"
+            )
+        self.trainer = trainer
+        handler = trainer.callback_handler
+        if self not in handler.callbacks:
+            handler.add_callback(self)
+        handler.callbacks.remove(self)
+        flow = [i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)]
+        handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
+        if self.session.handle is None:
+            self.session.setup(HFModelHandle(trainer.model))
+        self._wrap(trainer)
+        return self
+
+    def _wrap(self, trainer: Trainer) -> None:
+        training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
+
+        def training_step_with_targets(model, inputs, num_items_in_batch=None):
+            self._begin_micro_batch(inputs)
+            return training_step(model, inputs, num_items_in_batch)
+
+        def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None):
+            self._eval_labels = self._targets_of(inputs)
+            try:
+                return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+            finally:
+                self._eval_labels = None
+
+        def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
+            ckpt = resume_from_checkpoint
+            if isinstance(ckpt, bool):
+                ckpt = get_last_checkpoint(trainer.args.output_dir) if ckpt else None
+            self._resume_dir = ckpt
+            return train(ckpt, *args, **kwargs)
+
+        trainer.training_step = training_step_with_targets
+        trainer.prediction_step = prediction_step_with_targets
+        trainer.train = train_remembering_checkpoint
+        self._eval_labels: torch.Tensor | None = None
+        trainer.model.register_forward_hook(self._on_model_output)
+
+    def _targets_of(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        if inputs.get("shift_labels") is not None:
+            return inputs["shift_labels"]
+        labels = inputs.get("labels")
+        return None if labels is None else causal_targets(labels, self.config.ignore_index)
+
+    def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
+        targets = self._targets_of(inputs)
+        if targets is None:
+            raise SetupError(
+                "AnisoCallback: a training batch has no 'labels' (or 'shift_labels'); the causal-LM targets "
+                "are needed (use DataCollatorForLanguageModeling(mlm=False) or add labels)"
+            )
+        trainer = self.trainer
+        self.session.begin_micro_batch(
+            targets,
+            step=trainer.state.global_step + 1,
+            accumulation_steps=getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps),
+            measure=self._measure_next,
+        )
+
+    def _on_model_output(self, module: nn.Module, args, output):
+        if self._eval_labels is not None and not module.training:
+            logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
+            if logits is not None:
+                self.session.eval_batch(logits, self._eval_labels)
+
+    # --- trainer events ---------------------------------------------------------------------
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        trainer = _constructing_trainer()
+        if trainer is None:
+            logger.warning(
+                "AnisoCallback could not find the Trainer being constructed; call callback.attach(trainer) "
+                "before train()"
+            )
+            return
+        self.attach(trainer)
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
+        if self.trainer is None:
+            raise SetupError(
+                "AnisoCallback was not attached: pass it as Trainer(callbacks=[...]) or call callback.attach(trainer) "
+                "before train()"
+            )
+        if train_dataloader is not None:
+            try:
+                self.session.epoch_steps = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+            except TypeError:  # iterable dataset without a length
+                self.session.epoch_steps = None
+        if state.global_step > 0:
+            directory = self._resume_dir or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            if self.session.load(directory):
+                logger.info("aniso_plugins state restored from %s", directory)
+            else:
+                logger.warning(
+                    "resuming at step %d without aniso_plugins state (no %s in %s): counters start empty",
+                    state.global_step,
+                    TrainingSession.STATE_FILE,
+                    directory,
+                )
+        self._measure_next = self._will_log(args, state, state.global_step + 1)
+
+    def _will_log(self, args, state, step: int) -> bool:
+        """Whether the Trainer will log at the end of `step` (DefaultFlowCallback's rule)."""
+        logs = (args.logging_strategy == IntervalStrategy.STEPS and state.logging_steps and step % state.logging_steps == 0) or (
+            args.logging_first_step and step == 1
+        )
+        return self.session.plugins.metrics_due(step, bool(logs))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        self.session.end_step(step)
+        if self.session.plugins.metrics_due(step, control.should_log):
+            metrics = self.session.measure(step)
+            if control.should_log:
+                self._pending = metrics  # merged into the Trainer's own record in on_log
+            elif metrics:
+                self.trainer.log(dict(metrics))
+                control.should_log = False
+            self.session.plugins.log(metrics, step)
+        self._measure_next = self._will_log(args, state, step + 1)
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        if any(k.startswith(_EVAL_PREFIX) for k in logs):
+            metrics = self.session.measure(state.global_step, kind="eval")
+            extra = {_EVAL_PREFIX + k: v for k, v in metrics.items()}
+            self.session.plugins.log(extra, state.global_step, kind="eval")
+        elif "loss" in logs and self._pending:
+            extra, self._pending = self._pending, {}
+        else:
+            return
+        logs.update(extra)
+        if state.log_history:
+            state.log_history[-1].update(extra)
+
+    def on_save(self, args, state, control, **kwargs):
+        if args.should_save:
+            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            os.makedirs(directory, exist_ok=True)
+            self.session.save(directory)
+
+
+__all__ = ["AnisoCallback", "HFModelHandle"]

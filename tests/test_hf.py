@@ -1,0 +1,222 @@
+"""The HF Trainer adapter with a real transformers.Trainer on tiny models (CPU)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+from aniso_plugins import AnisoConfig, SetupError
+from aniso_plugins.integrations.hf import AnisoCallback
+from hf_utils import VOCAB, GradCapture, HeadInputCapture, TokenDataset, tiny_gpt2, tiny_llama
+from third_party_plugin import HeadNormPlugin
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+QUIET = dict(report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0)
+
+
+def make_trainer(tmp_path, config=None, plugins=(), model=None, callbacks=(), **args):
+    kw = dict(QUIET, output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, learning_rate=1e-2)
+    kw.update(args)
+    cb = AnisoCallback(config or AnisoConfig(metrics=(), load_entry_points=False), plugins=plugins)
+    trainer = Trainer(
+        model=model if model is not None else tiny_gpt2(), args=TrainingArguments(**kw),
+        train_dataset=TokenDataset(), callbacks=[cb, *callbacks],
+    )
+    return trainer, cb
+
+
+def test_loss_term_reaches_gradients_once_per_step_under_accumulation(tmp_path):
+    grads = {}
+    for coef in (0.0, 0.25):
+        cap = GradCapture(("transformer.wte.weight",))
+        trainer, _ = make_trainer(
+            tmp_path, plugins=[HeadNormPlugin(coef)], callbacks=[cap], gradient_accumulation_steps=3,
+            max_grad_norm=0.0,
+        )
+        w0 = trainer.model.transformer.wte.weight.detach().clone()
+        trainer.train()
+        grads[coef] = cap.grads[0]["transformer.wte.weight"]
+    # d/dW coef·‖W‖² = 2·coef·W, added once for the 3 micro-batches of the step
+    torch.testing.assert_close(grads[0.25] - grads[0.0], 2 * 0.25 * w0, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_term_is_in_the_gradient_that_clipping_sees(tmp_path):
+    def run(max_grad_norm):
+        cap = GradCapture()
+        trainer, _ = make_trainer(tmp_path, plugins=[HeadNormPlugin(5.0)], callbacks=[cap], max_grad_norm=max_grad_norm)
+        trainer.train()
+        return cap.grads[0]
+
+    unclipped, clipped = run(0.0), run(1e-3)
+    norm = torch.sqrt(sum(g.double().norm() ** 2 for g in unclipped.values()))
+    for name, g in unclipped.items():  # clipping scaled the whole gradient, term included
+        torch.testing.assert_close(clipped[name].double(), g.double() * (1e-3 / norm), rtol=1e-4, atol=1e-9)
+
+
+def _agg_output_grad(h, W, targets, appearance, alpha, gated):
+    """Reference: gradient into W of the z1/z2 logits of the AGG three-logit construction
+    (methods.md §1.3-1.4), float64; gated=False gives the plain (MLE) output-side gradient."""
+    valid = targets != -100
+    h, y = h[valid].double(), targets[valid]
+    Wp = W.detach().double().clone().requires_grad_(True)
+    z = h @ Wp.T
+    if gated:
+        a = appearance.double()
+        rare = a < alpha
+        g1 = torch.where(rare, a, torch.ones_like(a))
+        mean_rare = a[rare].mean() if rare.any() else torch.tensor(0.0, dtype=torch.float64)
+        g2 = torch.where(rare, torch.clamp(a / (mean_rare + 1e-7), max=1.0), torch.ones_like(a))
+        gate = torch.where(rare[y][:, None], g2[None, :], g1[None, :]).clone()
+        gate[torch.arange(len(y)), y] = 1.0
+        z = gate * z + (1 - gate) * z.detach()
+    (F.cross_entropy(z, y, reduction="sum") / len(y)).backward()
+    return Wp.grad
+
+
+def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
+    alpha = 1.5  # at step 1, a_k = count of k in the step: tokens seen once are rare, unseen ones too
+    cap_mle = GradCapture(("transformer.wte.weight",))
+    trainer, _ = make_trainer(tmp_path, callbacks=[cap_mle], max_grad_norm=0.0)
+    trainer.train()
+
+    cap = GradCapture(("transformer.wte.weight",))
+    cfg = AnisoConfig(method="agg", alpha=alpha, window=4, metrics=(), load_entry_points=False)
+    model = tiny_gpt2()
+    w0 = model.transformer.wte.weight.detach().clone()
+    hidden = HeadInputCapture(model.lm_head)
+    trainer, cb = make_trainer(tmp_path, cfg, model=model, callbacks=[cap], max_grad_norm=0.0)
+    batch = trainer.get_train_dataloader()
+    trainer.train()
+
+    ids = next(iter(batch))["labels"]
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
+    counts = torch.bincount(targets[targets != -100], minlength=VOCAB).double()
+    h = hidden.inputs[0].reshape(-1, 16)
+    y = targets.reshape(-1)
+    expected = (
+        cap_mle.grads[0]["transformer.wte.weight"].double()
+        - _agg_output_grad(h, w0, y, counts, alpha, gated=False)
+        + _agg_output_grad(h, w0, y, counts, alpha, gated=True)
+    )
+    got = cap.grads[0]["transformer.wte.weight"].double()
+    assert not torch.allclose(expected, cap_mle.grads[0]["transformer.wte.weight"].double(), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_metrics_reach_tensorboard_with_the_trainer_step(tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    cfg = AnisoConfig(metrics=(), load_entry_points=False)
+    trainer, _ = make_trainer(
+        tmp_path, cfg, plugins=[HeadNormPlugin(1e-3)], max_steps=4, logging_steps=2, report_to="tensorboard"
+    )
+    trainer.train()
+    events = glob.glob(str(tmp_path / "tb" / "**" / "events.out.tfevents.*"), recursive=True)
+    assert events
+    acc = EventAccumulator(os.path.dirname(events[0]))
+    acc.Reload()
+    tag = "train/aniso/head_norm/rms_row_norm"
+    assert tag in acc.Tags()["scalars"] and "train/aniso/loss/head_l2" in acc.Tags()["scalars"]
+    assert [e.step for e in acc.Scalars(tag)] == [2, 4]
+    rows = [r for r in trainer.state.log_history if "aniso/head_norm/rms_row_norm" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    w = trainer.model.lm_head.weight.detach().double()
+    assert rows[-1]["aniso/head_norm/rms_row_norm"] == pytest.approx(float(w.pow(2).sum(1).mean().sqrt()), rel=1e-9)
+
+
+def test_metrics_every_logs_on_its_own_steps(tmp_path):
+    cfg = AnisoConfig(metrics=(), metrics_every=3, load_entry_points=False)
+    trainer, _ = make_trainer(tmp_path, cfg, plugins=[HeadNormPlugin(1e-3)], max_steps=6, logging_steps=4)
+    trainer.train()
+    steps = [r["step"] for r in trainer.state.log_history if "aniso/head_norm/rms_row_norm" in r]
+    assert steps == [3, 6]
+    assert [r["step"] for r in trainer.state.log_history if "loss" in r] == [4]
+
+
+def _train_agg(tmp_path, max_steps, resume=None, save_steps=2):
+    cfg = AnisoConfig(method="agg", alpha=0.5, window=3, metrics=(), load_entry_points=False)
+    trainer, cb = make_trainer(
+        tmp_path, cfg, max_steps=max_steps, save_strategy="steps", save_steps=save_steps, learning_rate=5e-2,
+        lr_scheduler_type="constant", per_device_train_batch_size=2,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, cb
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    straight, _ = _train_agg(tmp_path / "a", max_steps=6)
+    _train_agg(tmp_path / "b", max_steps=3, save_steps=3)
+    assert os.path.exists(tmp_path / "b" / "checkpoint-3" / "aniso_state.safetensors")
+    resumed, cb = _train_agg(tmp_path / "b", max_steps=6, resume=True, save_steps=3)
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+    # the counter was restored, not restarted: same state as the straight run
+    s1, s2 = straight.callback_handler.callbacks, resumed.callback_handler.callbacks
+    a = [c for c in s1 if isinstance(c, AnisoCallback)][0].session.plugins.state_dict()
+    b = cb.session.plugins.state_dict()
+    for ns in a:
+        for k in a[ns]:
+            assert torch.equal(a[ns][k], b[ns][k]), (ns, k)
+
+
+def test_untie_head_keeps_config_consistent_and_reloads(tmp_path):
+    model = tiny_llama(tied=True)
+    trainer, _ = make_trainer(tmp_path, AnisoConfig(head="untie", metrics=(), load_entry_points=False), model=model)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert model.config.tie_word_embeddings is False
+    trainer.train()
+    model.tie_weights()
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "saved")
+    again = type(model).from_pretrained(tmp_path / "saved")
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+    assert not torch.equal(again.lm_head.weight, again.model.embed_tokens.weight)
+
+
+def test_errors_before_any_step(tmp_path):
+    from transformers import GPT2Model, GPT2Config
+
+    with pytest.raises(SetupError, match="get_output_embeddings"):
+        Trainer(
+            model=GPT2Model(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB)),
+            args=TrainingArguments(output_dir=str(tmp_path), **QUIET),
+            callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False))],
+        )
+    with pytest.raises(SetupError, match="use_liger_kernel"):
+        make_trainer(tmp_path, AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
+
+    class NoLabels(TokenDataset):
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i]}
+
+    trainer = Trainer(
+        model=tiny_gpt2(), args=TrainingArguments(output_dir=str(tmp_path), max_steps=1, **QUIET),
+        train_dataset=NoLabels(), callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False))],
+    )
+    w = trainer.model.lm_head.weight.detach().clone()
+    with pytest.raises(SetupError, match="no 'labels'"):
+        trainer.train()
+    assert torch.equal(trainer.model.lm_head.weight, w)
+
+
+@pytest.mark.slow
+def test_two_process_ddp(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.path.join(HERE, "..", "examples")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+           os.path.join(HERE, "hf_ddp_script.py"), str(tmp_path)]
+    subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
+    r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]
+    assert r[0]["gates"] == r[1]["gates"] and r[0]["rare"] == r[1]["rare"]
+    assert r[0]["metrics"] == r[1]["metrics"] and r[0]["metrics"]
+    # the loss term is counted once: with DDP averaging, its gradient is 2·coef·W, not world·2·coef·W
+    for rank in r:
+        torch.testing.assert_close(torch.tensor(rank["term_grad"]), torch.tensor(rank["expected_term_grad"]), rtol=1e-4, atol=1e-6)
