@@ -95,4 +95,63 @@ class ModelHandle:
             self._on_untie()
 
 
-__all__ = ["ModelHandle", "SetupError"]
+class OutputEmbeddingsHandle(ModelHandle):
+    """`ModelHandle` for a model with the transformers API (duck-typed, transformers need not be
+    installed): the head is ``get_output_embeddings()``, the embedding
+    ``get_input_embeddings()``, the blocks the modules whose class is in ``_no_split_modules``;
+    untying sets ``tie_word_embeddings=False`` on the config (and its text config) so that
+    nothing re-ties the weights."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
+            raise SetupError(
+                f"{type(model).__name__}.get_output_embeddings() is missing or None: a causal LM with an "
+                "output-embedding (LM head) Linear is needed"
+            )
+        super().__init__(model, on_untie=self._mark_untied)
+
+    def head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    def set_head(self, module: nn.Module) -> None:
+        self.model.set_output_embeddings(module)
+
+    def input_embedding(self) -> nn.Module | None:
+        try:
+            return self.model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def blocks(self) -> list[nn.Module]:
+        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        return [m for m in self.model.modules() if type(m).__name__ in names]
+
+    def _mark_untied(self) -> None:
+        config = getattr(self.model, "config", None)
+        if config is None:
+            return
+        configs = [config]
+        if callable(getattr(config, "get_text_config", None)):
+            configs.append(config.get_text_config())
+        for cfg in configs:
+            cfg.tie_word_embeddings = False
+
+
+def find_handle(
+    root: nn.Module, *, head: str | None = None, input_embedding: str | None = None, blocks: str | None = None
+) -> ModelHandle:
+    """The handle for `root`: by submodule paths when `head` is given, else the first module
+    (depth-first, `root` included) with the transformers ``get_output_embeddings()`` API."""
+    if head is not None:
+        return ModelHandle(root, head=head, input_embedding=input_embedding, blocks=blocks)
+    for module in root.modules():
+        get = getattr(module, "get_output_embeddings", None)
+        if callable(get) and isinstance(get(), nn.Module):
+            return OutputEmbeddingsHandle(module)
+    raise SetupError(
+        f"found no LM head in {type(root).__name__}: no submodule has get_output_embeddings(); "
+        "name it with head='path.to.lm_head' (and input_embedding=, blocks=)"
+    )
+
+
+__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "find_handle"]

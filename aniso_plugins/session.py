@@ -25,6 +25,7 @@ from torch import nn
 from .config import AnisoConfig
 from .model import ModelHandle
 from .plugins import AnisoPlugins
+from .state import check_compatible
 from .steps import StepInfo
 
 
@@ -114,6 +115,16 @@ class TrainingSession:
 
     # --- state ------------------------------------------------------------------------------
     STATE_FILE = "aniso_state.safetensors"
+
+    def state_dict(self) -> dict:
+        """In-memory state for trainers that checkpoint Python objects (Lightning):
+        ``{"config": dict, "plugins": {namespace: {key: tensor}}}``."""
+        return {"config": self.config.to_dict(), "plugins": self.plugins.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` output, refusing one from an incompatible configuration."""
+        check_compatible(state["config"], self.config.to_dict(), "checkpointed aniso_plugins state")
+        self.plugins.load_state_dict(state["plugins"])
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plugins' state into `directory` (call on one rank); returns the path."""

@@ -66,14 +66,7 @@ def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, 
             f"{path}: state format version {meta.get('version')} (package {meta.get('package')}), "
             f"this package reads version {FORMAT_VERSION}"
         )
-    saved = json.loads(meta.get("config", "{}"))
-    diffs = [
-        f"{k}: saved {saved.get(k)!r}, now {_jsonable(config.get(k))!r}"
-        for k in STATE_FIELDS
-        if _jsonable(saved.get(k)) != _jsonable(config.get(k))
-    ]
-    if diffs:
-        raise StateError(f"{path}: written under another configuration ({'; '.join(diffs)})")
+    check_compatible(json.loads(meta.get("config", "{}")), config, path)
     state: dict[str, dict[str, torch.Tensor]] = {p: {} for p in json.loads(meta.get("plugins", "[]"))}
     for name, tensor in load_file(path).items():
         plugin, key = name.split("/", 1)
@@ -81,8 +74,20 @@ def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, 
     return state
 
 
+def check_compatible(saved: Mapping, config: Mapping, where: str) -> None:
+    """Raise `StateError` if state saved under `saved` is meaningless under `config`
+    (they differ in one of `STATE_FIELDS`)."""
+    diffs = [
+        f"{k}: saved {saved.get(k)!r}, now {_jsonable(config.get(k))!r}"
+        for k in STATE_FIELDS
+        if _jsonable(saved.get(k)) != _jsonable(config.get(k))
+    ]
+    if diffs:
+        raise StateError(f"{where}: written under another configuration ({'; '.join(diffs)})")
+
+
 def _jsonable(value):
     return json.loads(json.dumps(value))
 
 
-__all__ = ["save_state", "load_state", "StateError", "FORMAT_VERSION"]
+__all__ = ["save_state", "load_state", "check_compatible", "StateError", "FORMAT_VERSION"]

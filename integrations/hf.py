@@ -39,7 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import AnisoConfig, ModelHandle, SetupError
+from .. import AnisoConfig, SetupError
+from ..model import OutputEmbeddingsHandle
 from ..session import TrainingSession, causal_targets
 
 try:
@@ -54,44 +55,11 @@ logger = logging.getLogger("aniso_plugins.hf")
 _EVAL_PREFIX = "eval_"
 
 
-class HFModelHandle(ModelHandle):
-    """`ModelHandle` for a transformers ``PreTrainedModel``: the head is
-    ``get_output_embeddings()``, the embedding ``get_input_embeddings()``, the blocks the
-    modules whose class is in ``_no_split_modules``; untying sets ``tie_word_embeddings=False``
-    on the config (and its text config) so that nothing re-ties the weights."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        if not isinstance(model, PreTrainedModel):
-            raise SetupError(f"AnisoCallback needs a transformers PreTrainedModel, got {type(model).__name__}")
-        if model.get_output_embeddings() is None:
-            raise SetupError(
-                f"{type(model).__name__}.get_output_embeddings() is None: AnisoCallback needs a causal LM "
-                "with an output-embedding (LM head) Linear"
-            )
-        super().__init__(model, on_untie=self._mark_untied)
-
-    def head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
-
-    def set_head(self, module: nn.Module) -> None:
-        self.model.set_output_embeddings(module)
-
-    def input_embedding(self) -> nn.Module | None:
-        try:
-            return self.model.get_input_embeddings()
-        except NotImplementedError:
-            return None
-
-    def blocks(self) -> list[nn.Module]:
-        names = set(getattr(self.model, "_no_split_modules", None) or ())
-        return [m for m in self.model.modules() if type(m).__name__ in names]
-
-    def _mark_untied(self) -> None:
-        configs = {id(self.model.config): self.model.config}
-        text = self.model.config.get_text_config()
-        configs[id(text)] = text
-        for cfg in configs.values():
-            cfg.tie_word_embeddings = False
+def hf_handle(model: nn.Module) -> OutputEmbeddingsHandle:
+    """The `ModelHandle` of a transformers model; a clear error for anything else."""
+    if not isinstance(model, PreTrainedModel):
+        raise SetupError(f"AnisoCallback needs a transformers PreTrainedModel, got {type(model).__name__}")
+    return OutputEmbeddingsHandle(model)
 
 
 def _constructing_trainer() -> Trainer | None:
@@ -146,7 +114,7 @@ class AnisoCallback(TrainerCallback):
         flow = [i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)]
         handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
         if self.session.handle is None:
-            self.session.setup(HFModelHandle(trainer.model))
+            self.session.setup(hf_handle(trainer.model))
         self._wrap(trainer)
         return self
 
@@ -282,4 +250,4 @@ class AnisoCallback(TrainerCallback):
             self.session.save(directory)
 
 
-__all__ = ["AnisoCallback", "HFModelHandle"]
+__all__ = ["AnisoCallback", "hf_handle"]

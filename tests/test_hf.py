@@ -15,6 +15,7 @@ from transformers import Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
+from references import agg_output_grad
 from hf_utils import VOCAB, GradCapture, HeadInputCapture, TokenDataset, tiny_gpt2, tiny_llama
 from third_party_plugin import HeadNormPlugin
 
@@ -61,26 +62,6 @@ def test_loss_term_is_in_the_gradient_that_clipping_sees(tmp_path):
         torch.testing.assert_close(clipped[name].double(), g.double() * (1e-3 / norm), rtol=1e-4, atol=1e-9)
 
 
-def _agg_output_grad(h, W, targets, appearance, alpha, gated):
-    """Reference: gradient into W of the z1/z2 logits of the AGG three-logit construction
-    (methods.md §1.3-1.4), float64; gated=False gives the plain (MLE) output-side gradient."""
-    valid = targets != -100
-    h, y = h[valid].double(), targets[valid]
-    Wp = W.detach().double().clone().requires_grad_(True)
-    z = h @ Wp.T
-    if gated:
-        a = appearance.double()
-        rare = a < alpha
-        g1 = torch.where(rare, a, torch.ones_like(a))
-        mean_rare = a[rare].mean() if rare.any() else torch.tensor(0.0, dtype=torch.float64)
-        g2 = torch.where(rare, torch.clamp(a / (mean_rare + 1e-7), max=1.0), torch.ones_like(a))
-        gate = torch.where(rare[y][:, None], g2[None, :], g1[None, :]).clone()
-        gate[torch.arange(len(y)), y] = 1.0
-        z = gate * z + (1 - gate) * z.detach()
-    (F.cross_entropy(z, y, reduction="sum") / len(y)).backward()
-    return Wp.grad
-
-
 def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     alpha = 1.5  # at step 1, a_k = count of k in the step: tokens seen once are rare, unseen ones too
     cap_mle = GradCapture(("transformer.wte.weight",))
@@ -103,8 +84,8 @@ def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     y = targets.reshape(-1)
     expected = (
         cap_mle.grads[0]["transformer.wte.weight"].double()
-        - _agg_output_grad(h, w0, y, counts, alpha, gated=False)
-        + _agg_output_grad(h, w0, y, counts, alpha, gated=True)
+        - agg_output_grad(h, w0, y, counts, alpha, gated=False)
+        + agg_output_grad(h, w0, y, counts, alpha, gated=True)
     )
     got = cap.grads[0]["transformer.wte.weight"].double()
     assert not torch.allclose(expected, cap_mle.grads[0]["transformer.wte.weight"].double(), rtol=1e-3, atol=1e-6)

@@ -1,0 +1,52 @@
+"""Run by tests/test_lightning.py: `python lightning_dist_script.py single|ddp|fsdp2 OUT`.
+
+single: one process, batch size 4; ddp / fsdp2: two CPU processes (gloo), batch size 2 each,
+the same global batches (DistributedSampler, no shuffle). AGG + a loss-term plugin + geometry
+metrics; each rank writes its counters and logged metrics to OUT/<mode><rank>.json."""
+
+import json
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+
+from aniso_plugins import AnisoConfig
+from aniso_plugins.integrations.lightning import AnisoCallback
+from lightning_utils import LitLM, loader
+from third_party_plugin import HeadNormPlugin
+
+mode, out = sys.argv[1], sys.argv[2]
+
+
+class Record(pl.Callback):
+    def __init__(self):
+        self.metrics = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("aniso/")})
+
+
+cfg = AnisoConfig(method="agg", alpha=0.5, window=4, metrics=("geometry",), load_entry_points=False)
+cb = AnisoCallback(cfg, [HeadNormPlugin(0.5)], head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+record = Record()
+if mode == "single":
+    kw = dict(devices=1)
+elif mode == "ddp":
+    kw = dict(devices=2, strategy="ddp")
+else:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    kw = dict(devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+trainer = pl.Trainer(
+    accelerator="cpu", max_steps=3, log_every_n_steps=1, logger=False, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, record], use_distributed_sampler=True, **kw,
+)
+trainer.fit(LitLM(), loader(batch_size=4 if mode == "single" else 2))
+state = cb.session.plugins.state_dict()
+result = {
+    "state": {f"{ns}/{k}": v.double().flatten().tolist() for ns, d in state.items() for k, v in d.items()},
+    "metrics": record.metrics,
+}
+with open(os.path.join(out, f"{mode}{trainer.global_rank}.json"), "w") as f:
+    json.dump(result, f)

@@ -1,0 +1,27 @@
+"""Independent reference implementations the tests compare against (float64, written out
+from the papers' formulas, sharing no code with the package)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def agg_output_grad(h, W, targets, appearance, alpha, gated):
+    """Reference: gradient into W of the z1/z2 logits of the AGG three-logit construction
+    (methods.md §1.3-1.4), float64; gated=False gives the plain (MLE) output-side gradient."""
+    valid = targets != -100
+    h, y = h[valid].double(), targets[valid]
+    Wp = W.detach().double().clone().requires_grad_(True)
+    z = h @ Wp.T
+    if gated:
+        a = appearance.double()
+        rare = a < alpha
+        g1 = torch.where(rare, a, torch.ones_like(a))
+        mean_rare = a[rare].mean() if rare.any() else torch.tensor(0.0, dtype=torch.float64)
+        g2 = torch.where(rare, torch.clamp(a / (mean_rare + 1e-7), max=1.0), torch.ones_like(a))
+        gate = torch.where(rare[y][:, None], g2[None, :], g1[None, :]).clone()
+        gate[torch.arange(len(y)), y] = 1.0
+        z = gate * z + (1 - gate) * z.detach()
+    (F.cross_entropy(z, y, reduction="sum") / len(y)).backward()
+    return Wp.grad

@@ -1,0 +1,144 @@
+"""The Lightning adapter with a real lightning.Trainer on a tiny plain-PyTorch LM (CPU)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from aniso_plugins import AnisoConfig, SetupError
+from aniso_plugins.integrations.lightning import AnisoCallback
+from lightning_utils import DIM, GradCapture, LitLM, loader
+from references import agg_output_grad
+from third_party_plugin import HeadNormPlugin
+from token_data import VOCAB
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PATHS = dict(head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+
+
+def fit(tmp_path, config=None, plugins=(), callbacks=(), module=None, ckpt_path=None, **trainer_kw):
+    cb = AnisoCallback(config or AnisoConfig(metrics=(), load_entry_points=False), plugins, **PATHS)
+    kw = dict(
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0,
+    )
+    kw.update(trainer_kw)
+    trainer = pl.Trainer(callbacks=[cb, *callbacks], **kw)
+    module = module or LitLM()
+    trainer.fit(module, loader(), ckpt_path=ckpt_path)
+    return trainer, module, cb
+
+
+def test_loss_term_once_per_optimizer_step_under_accumulation(tmp_path):
+    grads, w0 = {}, LitLM().model.embed.weight.detach().clone()
+    for coef in (0.0, 0.25):
+        cap = GradCapture()
+        fit(tmp_path, plugins=[HeadNormPlugin(coef)], callbacks=[cap], accumulate_grad_batches=3)
+        grads[coef] = cap.grads[0]["model.embed.weight"]
+    torch.testing.assert_close(grads[0.25] - grads[0.0], 2 * 0.25 * w0, rtol=1e-4, atol=1e-6)
+
+
+def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
+    alpha = 1.5
+    cap_mle = GradCapture()
+    fit(tmp_path, callbacks=[cap_mle])
+    module = LitLM()
+    w0 = module.model.lm_head.weight.detach().clone()
+    hidden = []
+    module.model.lm_head.register_forward_pre_hook(lambda m, a: hidden.append(a[0].detach().clone()))
+    cap = GradCapture()
+    cfg = AnisoConfig(method="agg", alpha=alpha, window=4, metrics=(), load_entry_points=False)
+    fit(tmp_path, cfg, callbacks=[cap], module=module)
+
+    ids = next(iter(loader()))["labels"]
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1).reshape(-1)
+    counts = torch.bincount(targets[targets != -100], minlength=VOCAB).double()
+    h = hidden[0].reshape(-1, DIM)
+    # LitLM's loss is the mean over the T-1 shifted positions, the same tokens as `targets`
+    expected = (
+        cap_mle.grads[0]["model.embed.weight"].double()
+        - agg_output_grad(h, w0, targets, counts, alpha, gated=False)
+        + agg_output_grad(h, w0, targets, counts, alpha, gated=True)
+    )
+    got = cap.grads[0]["model.embed.weight"].double()
+    assert not torch.allclose(expected, cap_mle.grads[0]["model.embed.weight"].double(), rtol=1e-3, atol=1e-6)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_metrics_in_csv_logger_with_lightning_steps(tmp_path):
+    logger = CSVLogger(str(tmp_path), name="run")
+    trainer, module, _ = fit(
+        tmp_path, plugins=[HeadNormPlugin(1e-3)], max_steps=6, logger=logger, log_every_n_steps=2,
+        accumulate_grad_batches=2,
+    )
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("aniso/head_norm/rms_row_norm")]
+    # optimizer steps 2, 4, 6 are logged (Lightning's logger step is 0-based: 1, 3, 5)
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]
+    w = module.model.lm_head.weight.detach().double()
+    assert float(rows[-1]["aniso/head_norm/rms_row_norm"]) == pytest.approx(float(w.pow(2).sum(1).mean().sqrt()), rel=1e-6)
+    assert all(r["aniso/loss/head_l2"] for r in rows)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    cfg = dict(method="agg", alpha=0.5, window=3, metrics=(), load_entry_points=False)
+    _, straight, cb_a = fit(tmp_path / "a", AnisoConfig(**cfg), max_steps=6)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, save_top_k=-1)
+    fit(tmp_path / "b", AnisoConfig(**cfg), max_steps=3, callbacks=[ckpt], enable_checkpointing=True)
+    path = os.path.join(tmp_path / "ck", os.listdir(tmp_path / "ck")[0])
+    _, resumed, cb_b = fit(tmp_path / "c", AnisoConfig(**cfg), max_steps=6, ckpt_path=path)
+    for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
+        assert torch.equal(p, q), name
+    a, b = cb_a.session.plugins.state_dict(), cb_b.session.plugins.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
+    with pytest.raises(Exception, match="window: saved 3, now 4"):
+        fit(tmp_path / "d", AnisoConfig(**{**cfg, "window": 4}), max_steps=6, ckpt_path=path)
+
+
+def test_errors_before_the_first_step(tmp_path):
+    with pytest.raises(SetupError, match="found no LM head"):
+        pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                   callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False))]).fit(LitLM(), loader())
+    module = LitLM()
+    w = module.model.lm_head.weight.detach().clone()
+
+    class Unlabelled(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"input_ids": torch.zeros(8, dtype=torch.long)}
+
+    cb = AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False), **PATHS)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, callbacks=[cb])
+    with pytest.raises(SetupError, match="'labels'"):
+        trainer.fit(module, torch.utils.data.DataLoader(Unlabelled(), batch_size=4))
+    assert torch.equal(module.model.lm_head.weight, w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_processes(tmp_path, strategy):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.path.join(HERE, "..", "examples")]))
+    script = os.path.join(HERE, "lightning_dist_script.py")
+    for mode in ("single", strategy):
+        out = subprocess.run([sys.executable, script, mode, str(tmp_path)], env=env, timeout=300, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+    r = [json.load(open(tmp_path / f"{strategy}{i}.json")) for i in range(2)]
+    single = json.load(open(tmp_path / "single0.json"))
+    assert r[0]["state"] == r[1]["state"] == single["state"]  # identical counters (gates) on every rank
+    assert r[0]["metrics"] == r[1]["metrics"]
+    # equal to one process on the same global batches: the loss term (coef 0.5, SGD) shrinks the
+    # weights; counted twice across ranks, the weights and these metrics would differ
+    assert single["metrics"] and r[0]["metrics"].keys() == single["metrics"].keys()
+    for name, value in single["metrics"].items():
+        assert r[0]["metrics"][name] == pytest.approx(value, rel=1e-5), name
