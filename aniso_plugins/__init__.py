@@ -7,31 +7,76 @@ statistics, state files, and the methods and metrics. Trainer adapters live in
 
 __version__ = "0.1.0"
 
+from .agg import AGGGates, AGGHead, agg_gates, agg_linear
+from .bottleneck import bottleneck_finish, bottleneck_stats, gradient_bottleneck, logit_gradient_rank
 from .config import AnisoConfig, ConfigError
+from .counter import TokenCounter
 from .distributed import LocalRows, full_rows, local_rows
+from .fused_ce import agg_cross_entropy
+from .geometry import (
+    Spectrum,
+    effective_rank,
+    isotropy,
+    mean_cosine,
+    normalized_singular_values,
+    principal_variance_share,
+    singular_entropy,
+    spectrum,
+    w_error,
+)
+from .heads import LowRankHead, merge_low_rank, merge_low_rank_heads
 from .hookspecs import hookimpl
+from .isoscore import isoscore
 from .loss import attach_loss
 from .model import ModelHandle, SetupError
 from .plugins import AnisoPlugins
 from .reduce import Stat, reduce_stats
+from .regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
 from .state import StateError, load_state, save_state
 from .steps import StepInfo
 
 __all__ = [
+    "AGGGates",
+    "AGGHead",
     "AnisoConfig",
     "AnisoPlugins",
     "ConfigError",
     "LocalRows",
+    "LowRankHead",
     "ModelHandle",
     "SetupError",
+    "Spectrum",
     "Stat",
     "StateError",
     "StepInfo",
+    "TokenCounter",
+    "agg_cross_entropy",
+    "agg_gates",
+    "agg_linear",
     "attach_loss",
+    "bottleneck_finish",
+    "bottleneck_stats",
+    "cosine_hinge",
+    "cosreg",
+    "effective_rank",
     "full_rows",
+    "gradient_bottleneck",
     "hookimpl",
+    "isoscore",
+    "isotropy",
     "load_state",
     "local_rows",
+    "logit_gradient_rank",
+    "mean_cosine",
+    "merge_low_rank",
+    "merge_low_rank_heads",
+    "normalized_singular_values",
+    "principal_variance_share",
     "reduce_stats",
     "save_state",
+    "singular_entropy",
+    "spectrum",
+    "spectrum_penalty",
+    "w_error",
+    "weight_singular_values",
 ]

@@ -50,7 +50,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     torch.manual_seed(a.seed)
     train_ds, valid_ds, vocab = train_valid(a.text_file, a.vocab_size, a.block)
-    steps_per_epoch = math.ceil(len(train_ds) / a.batch_size)
 
     model = GPT2LMHeadModel(
         GPT2Config(
@@ -58,11 +57,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             bos_token_id=0, eos_token_id=0,
         )
     )
-    config = AnisoConfig(
-        **METHODS[a.method],
-        window=steps_per_epoch,  # AGG's K: one epoch of optimizer steps, as in the paper
-        metrics=("geometry", "frequency", "eval"),
-    )
+    model.loss_type = "ForCausalLM"  # so the Trainer normalizes by the shifted-label count, as the loss does
+    # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
+    config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval"))
     output_dir = a.output_dir or tempfile.mkdtemp(prefix=f"aniso_hf_{a.method}_")
     args = TrainingArguments(
         output_dir=output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch_size,

@@ -13,7 +13,9 @@ def tiny_gpt2(seed: int = 0, vocab: int = VOCAB) -> GPT2LMHeadModel:
         n_layer=1, n_embd=16, n_head=2, vocab_size=vocab, n_positions=32, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )
-    return GPT2LMHeadModel(cfg)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"  # GPT2LMHeadModel's name maps to none: the Trainer would count unshifted labels
+    return model
 
 
 def tiny_llama(seed: int = 0, vocab: int = VOCAB, tied: bool = True) -> LlamaForCausalLM:
@@ -43,13 +45,19 @@ class GradCapture(TrainerCallback):
         self.grads.append({n: params[n].grad.detach().clone() for n in names})
 
 
-class HeadInputCapture:
-    """Forward hook recording the LM head's input (final hidden states) of training forwards."""
+class ForwardCapture:
+    """Records, for training forwards, the model's `labels` and its LM head's input."""
 
-    def __init__(self, head: torch.nn.Module):
-        self.inputs: list[torch.Tensor] = []
-        head.register_forward_pre_hook(self._hook)
+    def __init__(self, model: torch.nn.Module):
+        self.labels: list[torch.Tensor] = []
+        self.hidden: list[torch.Tensor] = []
+        model.register_forward_pre_hook(self._labels, with_kwargs=True)
+        model.get_output_embeddings().register_forward_pre_hook(self._hidden)
 
-    def _hook(self, module, args):
+    def _labels(self, module, args, kwargs):
         if module.training:
-            self.inputs.append(args[0].detach().clone())
+            self.labels.append(kwargs["labels"].detach().clone())
+
+    def _hidden(self, module, args):
+        if module.training:
+            self.hidden.append(args[0].detach().clone())

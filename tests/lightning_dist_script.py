@@ -40,9 +40,19 @@ else:
     kw = dict(devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
 trainer = pl.Trainer(
     accelerator="cpu", max_steps=3, log_every_n_steps=1, logger=False, enable_checkpointing=False,
-    enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, record], use_distributed_sampler=True, **kw,
+    enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, record], use_distributed_sampler=False,
+    **kw,
 )
-trainer.fit(LitLM(), loader(batch_size=4 if mode == "single" else 2))
+class Module(LitLM):
+    def train_dataloader(self):  # built after the process group exists: explicit, unshuffled shards
+        data = loader(batch_size=4 if mode == "single" else 2)
+        if mode == "single":
+            return data
+        sampler = torch.utils.data.DistributedSampler(data.dataset, shuffle=False)
+        return torch.utils.data.DataLoader(data.dataset, batch_size=2, sampler=sampler)
+
+
+trainer.fit(Module())
 state = cb.session.plugins.state_dict()
 result = {
     "state": {f"{ns}/{k}": v.double().flatten().tolist() for ns, d in state.items() for k, v in d.items()},

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from aniso_plugins import Stat, local_rows, reduce_stats
-from aniso_plugins.linalg import all_reduce_sum, gram_stats
+from aniso_plugins.linalg import all_reduce_sum_shared, gram_stats
 from dist_utils import run_distributed
 
 V, D = 101, 6  # 101 rows: shards of 51 and 50
@@ -77,9 +77,10 @@ def _worker(rank, world, mode):
         model = nn.parallel.DistributedDataParallel(model).module
     lr = local_rows(model.lm_head.weight)
     got = reduce_stats(_stats(model.lm_head.weight, rank))
-    # differentiable sum over row shards: gradient of the global sum reaches each local row once
+    # differentiable sum over row shards, for a loss every rank computes identically: each
+    # local row gets the single-process gradient once
     rows = lr.rows.detach().double().requires_grad_(True)
-    total = all_reduce_sum(gram_stats(rows).row_sum)
+    total = all_reduce_sum_shared(gram_stats(rows).row_sum)
     (total * torch.arange(1, D + 1, dtype=torch.float64)).sum().backward()
     return {
         "offset": lr.offset,
@@ -104,7 +105,7 @@ def test_two_ranks_reduce_to_single_process_values(mode):
             else:
                 torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12, msg=name)
         torch.testing.assert_close(r["diff_sum"], r["ref"]["sum"], rtol=1e-12, atol=1e-12)
-        expected_grad = torch.arange(1, D + 1, dtype=torch.float64).expand(r["n_local"], D) * 2  # SUM of 2 ranks' grads
+        expected_grad = torch.arange(1, D + 1, dtype=torch.float64).expand(r["n_local"], D)
         torch.testing.assert_close(r["row_grad"], expected_grad)
 
 

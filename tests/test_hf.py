@@ -16,7 +16,7 @@ from transformers import Trainer, TrainingArguments
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 from references import agg_output_grad
-from hf_utils import VOCAB, GradCapture, HeadInputCapture, TokenDataset, tiny_gpt2, tiny_llama
+from hf_utils import VOCAB, ForwardCapture, GradCapture, TokenDataset, tiny_gpt2, tiny_llama
 from third_party_plugin import HeadNormPlugin
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,15 +72,14 @@ def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     cfg = AnisoConfig(method="agg", alpha=alpha, window=4, metrics=(), load_entry_points=False)
     model = tiny_gpt2()
     w0 = model.transformer.wte.weight.detach().clone()
-    hidden = HeadInputCapture(model.lm_head)
+    seen = ForwardCapture(model)
     trainer, cb = make_trainer(tmp_path, cfg, model=model, callbacks=[cap], max_grad_norm=0.0)
-    batch = trainer.get_train_dataloader()
     trainer.train()
 
-    ids = next(iter(batch))["labels"]
+    ids = seen.labels[0]
     targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
     counts = torch.bincount(targets[targets != -100], minlength=VOCAB).double()
-    h = hidden.inputs[0].reshape(-1, 16)
+    h = seen.hidden[0].reshape(-1, 16)
     y = targets.reshape(-1)
     expected = (
         cap_mle.grads[0]["transformer.wte.weight"].double()
@@ -192,7 +191,7 @@ def test_errors_before_any_step(tmp_path):
 @pytest.mark.slow
 def test_two_process_ddp(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.path.join(HERE, "..", "examples")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(HERE, "hf_ddp_script.py"), str(tmp_path)]
     subprocess.run(cmd, check=True, env=env, timeout=300, capture_output=True)
     r = [json.load(open(tmp_path / f"rank{i}.json")) for i in range(2)]

@@ -91,17 +91,18 @@ def test_metrics_in_csv_logger_with_lightning_steps(tmp_path):
 
 def test_resume_equals_uninterrupted_run(tmp_path):
     cfg = dict(method="agg", alpha=0.5, window=3, metrics=(), load_entry_points=False)
-    _, straight, cb_a = fit(tmp_path / "a", AnisoConfig(**cfg), max_steps=6)
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=3, save_top_k=-1)
-    fit(tmp_path / "b", AnisoConfig(**cfg), max_steps=3, callbacks=[ckpt], enable_checkpointing=True)
+    # interrupted at an epoch boundary (8 batches): a plain DataLoader cannot resume mid-epoch
+    _, straight, cb_a = fit(tmp_path / "a", AnisoConfig(**cfg), max_steps=12)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=8, save_top_k=-1)
+    fit(tmp_path / "b", AnisoConfig(**cfg), max_steps=8, callbacks=[ckpt], enable_checkpointing=True)
     path = os.path.join(tmp_path / "ck", os.listdir(tmp_path / "ck")[0])
-    _, resumed, cb_b = fit(tmp_path / "c", AnisoConfig(**cfg), max_steps=6, ckpt_path=path)
+    _, resumed, cb_b = fit(tmp_path / "c", AnisoConfig(**cfg), max_steps=12, ckpt_path=path)
     for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
         assert torch.equal(p, q), name
     a, b = cb_a.session.plugins.state_dict(), cb_b.session.plugins.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
     with pytest.raises(Exception, match="window: saved 3, now 4"):
-        fit(tmp_path / "d", AnisoConfig(**{**cfg, "window": 4}), max_steps=6, ckpt_path=path)
+        fit(tmp_path / "d", AnisoConfig(**{**cfg, "window": 4}), max_steps=12, ckpt_path=path)
 
 
 def test_errors_before_the_first_step(tmp_path):

@@ -1,0 +1,176 @@
+"""The LM-head gradient bottleneck (Godey & Artzi 2026, "Lost in Backpropagation"; seed 001;
+methods.md §9, performance.md §5.6).
+
+For a position i with hidden state h_i, logits z_i = W h_i (W: V×d) and target y_i, the logit
+gradient is g_i = softmax(z_i) − e_{y_i}. The backbone only receives dh_i = Wᵀ g_i, so the part
+of g_i in ker(Wᵀ) is lost; with P the orthogonal projector onto col(W):
+
+    ‖P g_i‖² = dh_iᵀ (WᵀW)⁺ dh_i
+
+so everything follows from the head-input gradient dh_i and the d×d Gram WᵀW: one
+eigen-decomposition, no projector, nothing V×V. Metrics (names as returned):
+
+- ``lost_fraction``: pooled and squared, ℓ² = 1 − Σ_i ‖P g_i‖² / Σ_i ‖g_i‖² = 1 − ‖PG‖²_F/‖G‖²_F (G
+  the stacked logit gradients); ≈ 1 − d/V at random initialisation (methods.md §9.2);
+- ``lost_fraction_norm``: ℓ = √ℓ² = ‖(I − P)G‖_F / ‖G‖_F (the norm, not squared, variant);
+- ``kept_cosine``: token mean of cos(g_i, P g_i) = ‖P g_i‖ / ‖g_i‖ (the seed's "cosine similarity
+  between the logit gradient and its projection", Fig. 4b);
+- ``lost_fraction_token``: token mean of 1 − ‖P g_i‖²/‖g_i‖² (differs from the pooled value);
+- ``tokens``: positions counted.
+
+Which of these is the paper's Equation 1 is not checked (methods.md §9.1): report them by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+
+from .linalg import eigh_gram, gram_stats_blocked
+from .reduce import Stat
+
+LOGIT_ELEMENTS = 1 << 22
+"""Logit entries (tokens × V) materialised at a time by `gradient_bottleneck`."""
+
+
+def bottleneck_stats(
+    dh: torch.Tensor, grad_sq: torch.Tensor, gram: torch.Tensor, prefix: str = ""
+) -> dict[str, Stat]:
+    """Reducible sums of the bottleneck metrics from what the head's backward provides.
+
+    dh: (N, d) gradients at the head input, c·Wᵀg_i; grad_sq: (N,) ‖c·g_i‖², the squared norms
+    of the gradients at the head output with the same scale c (any loss scaling, mean
+    reduction or accumulation factor cancels); gram: the full d×d WᵀW (reduced across ranks).
+    Positions with ‖g_i‖ = 0 (ignored targets) are skipped. (WᵀW)⁺ keeps the eigenvalues above
+    d·ε·λ_max (`aniso_plugins.linalg.eigh_gram`); per-position ratios are clipped to [0, 1]
+    against round-off. Keys: grad_sq, kept_sq, kept_ratio, kept_cosine (sums), tokens."""
+    if dh.dim() != 2 or grad_sq.shape != dh.shape[:1]:
+        raise ValueError(
+            f"dh must be (N, d) and grad_sq (N,), got dh {tuple(dh.shape)} and grad_sq {tuple(grad_sq.shape)}"
+        )
+    if gram.shape != (dh.shape[1], dh.shape[1]):
+        raise ValueError(f"gram must be ({dh.shape[1]}, {dh.shape[1]}), got {tuple(gram.shape)}")
+    lam, vec = eigh_gram(gram)
+    inv = torch.where(lam > 0, 1.0 / lam.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    keep = grad_sq > 0
+    g2 = grad_sq[keep].to(torch.float64)
+    coef = dh[keep].to(device=vec.device, dtype=torch.float64) @ vec
+    kept = (coef.square() * inv).sum(1).to(g2.device)
+    ratio = (kept / g2).clamp(0.0, 1.0)
+    f64 = {"dtype": torch.float64, "device": g2.device}
+    return {
+        f"{prefix}grad_sq": Stat(g2.sum()),
+        f"{prefix}kept_sq": Stat(torch.minimum(kept, g2).sum()),
+        f"{prefix}kept_ratio": Stat(ratio.sum()),
+        f"{prefix}kept_cosine": Stat(ratio.sqrt().sum()),
+        f"{prefix}tokens": Stat(torch.tensor(float(g2.numel()), **f64)),
+    }
+
+
+def bottleneck_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, float]:
+    """The metrics of the module docstring from reduced `bottleneck_stats` (NaN without tokens)."""
+    n = float(reduced[f"{prefix}tokens"])
+    total = float(reduced[f"{prefix}grad_sq"])
+    if n == 0 or total == 0:
+        nan = math.nan
+        names = ("lost_fraction", "lost_fraction_norm", "kept_cosine", "lost_fraction_token")
+        return {**dict.fromkeys(names, math.nan), "tokens": n}
+    lost = min(max(1.0 - float(reduced[f"{prefix}kept_sq"]) / total, 0.0), 1.0)
+    return {
+        "lost_fraction": lost,
+        "lost_fraction_norm": math.sqrt(lost),
+        "kept_cosine": float(reduced[f"{prefix}kept_cosine"]) / n,
+        "lost_fraction_token": 1.0 - float(reduced[f"{prefix}kept_ratio"]) / n,
+        "tokens": n,
+    }
+
+
+def _check_head(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        raise TypeError("weight: expected the full (V, d) head matrix as a plain tensor, got a DTensor")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a (V, d) tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden has last dimension {hidden.shape[-1]}, the weight has d={weight.shape[1]}")
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets shape {tuple(targets.shape)} must equal hidden.shape[:-1] = {tuple(hidden.shape[:-1])}"
+        )
+
+
+def logit_gradients(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Yield blocks (h, g) of hidden states and logit gradients g_i = softmax(W h_i) − e_{y_i}
+    of the positions whose target is not `ignore_index`, at most `LOGIT_ELEMENTS` logits at a
+    time, in float32 (float64 if an input is float64)."""
+    _check_head(hidden, weight, targets)
+    v = weight.shape[0]
+    h = hidden.detach().reshape(-1, hidden.shape[-1])
+    y = targets.reshape(-1)
+    keep = y != ignore_index
+    h, y = h[keep], y[keep]
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= v):
+        raise ValueError(f"targets must lie in [0, {v}) or equal ignore_index={ignore_index}")
+    dtype = torch.promote_types(torch.promote_types(h.dtype, weight.dtype), torch.float32)
+    w = weight.detach().to(dtype)
+    step = max(1, LOGIT_ELEMENTS // v)
+    for start in range(0, y.numel(), step):
+        hb = h[start : start + step].to(dtype)
+        g = torch.softmax(hb @ w.T, dim=-1)
+        g[torch.arange(hb.shape[0], device=g.device), y[start : start + step]] -= 1.0
+        yield hb, g
+
+
+def gradient_bottleneck(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+) -> dict[str, float]:
+    """Lost fraction and kept cosine of the logit gradients of these positions (module
+    docstring), computed from dh_i = Wᵀ g_i and the d×d Gram only.
+
+    hidden: (..., d) head inputs; weight: the full (V, d) head matrix (a plain tensor); targets:
+    (...) ids aligned with `hidden`, `ignore_index` where no loss is taken. Over the given
+    positions only (no reduction across ranks; `BottleneckPlugin` pools ranks via
+    `bottleneck_stats`). Logits in float32 (float64 for float64 inputs), blocks of
+    `LOGIT_ELEMENTS`; Gram and solve in float64."""
+    dh, grad_sq = [], []
+    for _, g in logit_gradients(hidden, weight, targets, ignore_index):
+        grad_sq.append(g.square().sum(1, dtype=torch.float64))
+        dh.append(g @ weight.detach().to(g.dtype))
+    d = weight.shape[1]
+    dh_all = torch.cat(dh) if dh else torch.zeros(0, d, dtype=torch.float64, device=weight.device)
+    sq_all = torch.cat(grad_sq) if grad_sq else torch.zeros(0, dtype=torch.float64, device=weight.device)
+    stats = bottleneck_stats(dh_all, sq_all, gram_stats_blocked(weight).gram)
+    return bottleneck_finish({name: stat.value for name, stat in stats.items()})
+
+
+def logit_gradient_rank(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, rtol: float = 1e-6
+) -> int:
+    """Empirical rank of the logit gradient G (N × V, rows g_i = softmax(W h_i) − e_{y_i}, ignored
+    positions dropped): the number of singular values σ_j(G) > rtol·σ_max(G), G in float64.
+
+    The seed (Godey & Artzi 2026, §2.4 / Fig. 7a) counts "non-null (> 1e-6) diagonal R values"
+    of a QR decomposition; an unpivoted QR is not rank-revealing (methods.md §9.4), so we count
+    singular values instead, with a *relative* threshold (default 1e-6). Memory N·V·8 bytes."""
+    if not (isinstance(rtol, float | int) and 0 < rtol < 1):
+        raise ValueError(f"rtol={rtol!r}: expected a number in (0, 1)")
+    blocks = [g.to(torch.float64) for _, g in logit_gradients(hidden, weight, targets, ignore_index)]
+    if not blocks:
+        return 0
+    sigma = torch.linalg.svdvals(torch.cat(blocks))
+    return int((sigma > rtol * sigma[0]).sum())
+
+
+__all__ = [
+    "LOGIT_ELEMENTS",
+    "bottleneck_finish",
+    "bottleneck_stats",
+    "gradient_bottleneck",
+    "logit_gradient_rank",
+    "logit_gradients",
+]

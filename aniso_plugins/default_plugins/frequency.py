@@ -1,0 +1,186 @@
+"""Frequency groups: rare / medium / frequent tokens by training-target count, and the
+geometry of the LM head within and between them (Yu et al. 2022, the AGG paper, §3).
+
+This module is the one home of the target counter (`TargetCounter`) and of the group split
+(`frequency_groups`); `EvalPlugin` uses both for its per-group perplexity and Uniq.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..config import AnisoConfig
+from ..distributed import is_distributed, local_rows
+from ..geometry import (
+    Spectrum,
+    cross_cosine_finish,
+    isotropy_finish,
+    isotropy_stats,
+    mean_cosine_finish,
+    mean_cosine_stats,
+    moment_stats,
+    moments,
+)
+from ..hookspecs import hookimpl
+from ..model import ModelHandle
+from ..reduce import Stat
+from ..steps import StepInfo
+
+GROUPS = ("rare", "medium", "frequent")
+"""Group names; `frequency_groups` returns their indices 0, 1, 2."""
+
+
+def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float] = (0.2, 0.5, 0.3)) -> torch.Tensor:
+    """Group index per token id (0 rare, 1 medium, 2 frequent) from target counts.
+
+    Tokens are ordered by count, descending, ties broken by ascending id (a stable sort; with
+    no counts yet the split is by id). The first ⌊f_frequent·V + ½⌋ of that order are frequent,
+    the last ⌊f_rare·V + ½⌋ rare, the rest medium: `fractions` = (rare, medium, frequent)
+    shares, default 20% / 50% / 30% of the vocabulary as in the AGG paper §3. (The official AGG
+    evaluation code uses fixed id boundaries of its sorted dictionary instead, methods.md §1.8.)"""
+    if counts.dim() != 1:
+        raise ValueError(f"counts must be 1-D (V,), got shape {tuple(counts.shape)}")
+    if len(fractions) != 3 or any(not 0 < f < 1 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
+        raise ValueError(
+            f"fractions={fractions!r}: expected three shares in (0, 1) summing to 1 (rare, medium, frequent)"
+        )
+    v = counts.numel()
+    n_rare, n_freq = math.floor(fractions[0] * v + 0.5), math.floor(fractions[2] * v + 0.5)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    groups = torch.ones(v, dtype=torch.long, device=counts.device)
+    groups[order[:n_freq]] = 2
+    groups[order[v - n_rare :]] = 0
+    return groups
+
+
+class TargetCounter:
+    """Cumulative counts of training targets (ids in [0, V), `ignore_index` skipped).
+
+    `add` bincounts a micro-batch's targets into a pending local vector; `sync` (collective:
+    all ranks, once per optimizer step) sums the pending vectors across ranks and adds them to
+    ``counts``, which is therefore identical on every rank."""
+
+    def __init__(self, vocab_size: int, ignore_index: int = -100) -> None:
+        self.vocab_size = vocab_size
+        self.ignore_index = ignore_index
+        self.counts = torch.zeros(vocab_size, dtype=torch.long)
+        self._pending: torch.Tensor | None = None
+
+    def add(self, targets: torch.Tensor) -> None:
+        y = targets.reshape(-1)
+        y = y[y != self.ignore_index]
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.vocab_size):
+            raise ValueError(
+                f"targets must lie in [0, {self.vocab_size}) or equal ignore_index={self.ignore_index}, "
+                f"got values in [{int(y.min())}, {int(y.max())}]"
+            )
+        local = torch.bincount(y, minlength=self.vocab_size)
+        self._pending = local if self._pending is None else self._pending + local.to(self._pending.device)
+
+    def sync(self) -> None:
+        pending = self._pending
+        if pending is None:
+            pending = torch.zeros(self.vocab_size, dtype=torch.long, device=self.counts.device)
+        if is_distributed():
+            dist.all_reduce(pending)
+        self.counts = self.counts.to(pending.device) + pending
+        self._pending = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"counts": self.counts.detach().cpu().clone()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        counts = state["counts"]
+        if counts.shape != (self.vocab_size,):
+            raise ValueError(f"saved counts have shape {tuple(counts.shape)}, expected ({self.vocab_size},)")
+        self.counts = counts.to(dtype=torch.long, device=self.counts.device).clone()
+
+
+class FrequencyGroupsPlugin:
+    """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.geometry.isotropy`)
+    and the mean pairwise cosine; and the mean cosine between the rare and the frequent rows
+    (AGG paper §3: "the average cosine similarity between the rare and frequent group
+    embeddings"). Groups come from this plugin's own counter of training targets.
+
+    Logged (train measurements): ``frequency/<group>/isotropy``, ``frequency/<group>/mean_cosine``
+    for group in rare, medium, frequent, and ``frequency/rare_frequent_cosine``. State: the
+    counts, namespace "frequency"."""
+
+    name = "frequency"
+
+    def __init__(self, config: AnisoConfig) -> None:
+        self.config = config
+        self.model: ModelHandle | None = None
+        self.counter: TargetCounter | None = None
+        self._groups: torch.Tensor | None = None
+
+    @hookimpl
+    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        self.model = model
+        self.counter = TargetCounter(model.vocab_size, config.ignore_index)
+
+    def _ready(self) -> TargetCounter:
+        if self.counter is None or self.model is None:
+            raise RuntimeError("FrequencyGroupsPlugin: aniso_setup(model, config) must run first")
+        return self.counter
+
+    @hookimpl
+    def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
+        self._ready().add(targets)
+
+    @hookimpl
+    def aniso_step_end(self, step: StepInfo) -> None:
+        self._ready().sync()
+
+    @hookimpl
+    def aniso_metric_stats(
+        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, Stat] | None:
+        if kind != "train":
+            return None
+        counter = self._ready()
+        lr = local_rows(self.model.head().weight.detach())
+        if "frequency/rare/gram" not in reduced:
+            self._groups = frequency_groups(counter.counts, self.config.group_fractions)
+        mine = self._groups[lr.offset : lr.offset + lr.rows.shape[0]].to(lr.rows.device)
+        stats: dict[str, Stat] = {}
+        for index, group in enumerate(GROUPS):
+            prefix = f"frequency/{group}/"
+            rows = lr.rows[mine == index]
+            if prefix + "gram" not in reduced:
+                stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix)
+            elif prefix + "log_z" not in reduced:
+                spec = Spectrum.from_moments(moments(reduced, prefix), center=False)
+                stats |= isotropy_stats(rows, spec.eigenvectors, prefix)
+        return stats or None
+
+    @hookimpl
+    def aniso_metrics(
+        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, float] | None:
+        if kind != "train" or "frequency/rare/log_z" not in reduced:
+            return None
+        out: dict[str, float] = {}
+        for group in GROUPS:
+            prefix = f"frequency/{group}/"
+            out[prefix + "isotropy"] = isotropy_finish(reduced, prefix)
+            out[prefix + "mean_cosine"] = mean_cosine_finish(reduced, prefix)
+        out["frequency/rare_frequent_cosine"] = cross_cosine_finish(reduced, "frequency/rare/", "frequency/frequent/")
+        self._groups = None
+        return out
+
+    @hookimpl
+    def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        return None if self.counter is None else {self.name: self.counter.state_dict()}
+
+    @hookimpl
+    def aniso_load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        if self.name in state:
+            self._ready().load_state_dict(state[self.name])
+
+
+__all__ = ["FrequencyGroupsPlugin", "GROUPS", "TargetCounter", "frequency_groups"]

@@ -1,0 +1,122 @@
+"""Embedding geometry of the LM head (and of the input embedding when it is untied), at every
+train measurement: `aniso_plugins.geometry` metrics from one Gram matrix per matrix.
+
+Round 1 reduces Σ w_i w_iᵀ, Σ w_i, V and the raw unit-row sum; round 2, from the reduced Gram's
+eigenvectors (raw and centered), reduces the log-partition functions of I(W) and the centered
+unit-row sum. Logged as ``geometry/<matrix>/<metric>``, matrix ``head`` or ``embedding``:
+
+- ``mean_cosine`` / ``mean_cosine_centered``: mean pairwise cosine of w_i / of w_i − μ;
+- ``isotropy`` / ``isotropy_centered``: I(W) raw (paper-comparable) / centered;
+- ``effective_rank`` / ``effective_rank_sigma2``: erank of W − 1μᵀ with p ∝ σ / p ∝ σ²;
+- ``singular_entropy``: spectral saturation KL(p ‖ U), p ∝ σ of the raw W (Godey et al. 2024);
+- ``sigma_max`` and ``sv_normalized_q25|q50|q75``: σ_max of the raw W, and σ_i/σ_max at a
+  quarter, half and three quarters of the way down the k = min(V, d) raw singular values;
+- ``variance_share_top1`` / ``variance_share_top3``: share of the variance on the top 1 / 3
+  principal components (centered);
+- ``isoscore``: IsoScore of the rows (Rudman et al. 2022).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..config import AnisoConfig
+from ..geometry import (
+    Spectrum,
+    isotropy_finish,
+    isotropy_stats,
+    matrix_rows,
+    mean_cosine_finish,
+    mean_cosine_stats,
+    mean_row,
+    moment_stats,
+    moments,
+)
+from ..hookspecs import hookimpl
+from ..isoscore import isoscore_from_variances
+from ..model import ModelHandle
+from ..reduce import Stat
+from ..steps import StepInfo
+
+QUANTILES = (0.25, 0.5, 0.75)
+
+
+class GeometryPlugin:
+    """Geometry metrics of the head's weight and, when untied, of the input embedding's."""
+
+    name = "geometry"
+
+    def __init__(self, config: AnisoConfig) -> None:
+        self.config = config
+        self.model: ModelHandle | None = None
+        self._spectra: dict[str, tuple[Spectrum, Spectrum]] = {}
+
+    @hookimpl
+    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        self.model = model
+
+    def matrices(self) -> dict[str, torch.Tensor]:
+        """The matrices measured: ``head`` always, ``embedding`` when the model has an input
+        embedding that is not tied to the head."""
+        if self.model is None:
+            raise RuntimeError("GeometryPlugin: aniso_setup(model, config) must run first")
+        out = {"head": self.model.head().weight}
+        embedding = self.model.input_embedding()
+        if embedding is not None and not self.model.tied():
+            out["embedding"] = getattr(embedding, "weight", None)
+        return out
+
+    @hookimpl
+    def aniso_metric_stats(
+        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, Stat] | None:
+        if kind != "train":
+            return None
+        stats: dict[str, Stat] = {}
+        for name, weight in self.matrices().items():
+            prefix = f"geometry/{name}/"
+            if prefix + "gram" in reduced and prefix + "raw/log_z" in reduced:
+                continue
+            rows = matrix_rows(weight, f"{name} weight")
+            if prefix + "gram" not in reduced:
+                stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix + "raw/")
+                continue
+            m = moments(reduced, prefix)
+            raw, centered = Spectrum.from_moments(m, center=False), Spectrum.from_moments(m, center=True)
+            self._spectra[name] = (raw, centered)
+            mu = mean_row(reduced, prefix)
+            stats |= isotropy_stats(rows, raw.eigenvectors, prefix + "raw/")
+            stats |= isotropy_stats(rows, centered.eigenvectors, prefix + "centered/", mean=mu)
+            stats |= mean_cosine_stats(rows, prefix + "centered/", mean=mu)
+        return stats or None
+
+    @hookimpl
+    def aniso_metrics(
+        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, float] | None:
+        if kind != "train" or not self._spectra:
+            return None
+        out: dict[str, float] = {}
+        for name, (raw, centered) in self._spectra.items():
+            p = f"geometry/{name}/"
+            out[p + "mean_cosine"] = mean_cosine_finish(reduced, p + "raw/")
+            out[p + "mean_cosine_centered"] = mean_cosine_finish(reduced, p + "centered/")
+            out[p + "isotropy"] = isotropy_finish(reduced, p + "raw/")
+            out[p + "isotropy_centered"] = isotropy_finish(reduced, p + "centered/")
+            out[p + "effective_rank"] = centered.effective_rank("sigma")
+            out[p + "effective_rank_sigma2"] = centered.effective_rank("sigma2")
+            out[p + "singular_entropy"] = raw.singular_entropy("sigma")
+            normalized = raw.normalized()
+            out[p + "sigma_max"] = float(raw.singular_values[0])
+            for q in QUANTILES:
+                out[f"{p}sv_normalized_q{round(100 * q)}"] = float(normalized[int(q * (normalized.numel() - 1))])
+            out[p + "variance_share_top1"] = centered.variance_share(1)
+            out[p + "variance_share_top3"] = centered.variance_share(3)
+            out[p + "isoscore"] = isoscore_from_variances(centered.eigenvalues)
+        self._spectra.clear()
+        return out
+
+
+__all__ = ["GeometryPlugin"]

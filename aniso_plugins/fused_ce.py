@@ -1,0 +1,148 @@
+"""Fused, chunked linear + cross-entropy with AGG gating: never the full N×V logits.
+
+The approach of Liger-Kernel's fused linear cross-entropy (performance.md §1.1): the forward
+walks over chunks of token rows, computes a chunk of logits, its loss and its logit gradient
+G_c = (softmax − onehot)/normalizer, projects it at once (dX_c = G_c W, dW += G_cᵀ X_c) and
+keeps only dX, dW, db for the backward, which scales them by the incoming scalar gradient.
+AGG's Γ (`aniso_plugins.agg`) costs no N×V pass: rows are ordered so that the larger row group
+(non-rare or rare targets) comes first; its chunks accumulate unscaled, then dW is scaled once
+by that group's gate vector, the smaller group's chunks are multiplied in place by theirs, and
+target entries are corrected at the end with one index_add (performance.md §3.2, §6.1).
+Ignored rows (``ignore_index``) are skipped: they have no loss and no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .agg import AGGGates, check_inputs, compute_dtypes, row_gating
+
+__all__ = ["agg_cross_entropy"]
+
+
+class _FusedAGGCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes):
+        compute, acc, _ = dtypes
+        v, d = weight.shape
+        want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
+        with torch.autocast(hidden.device.type, enabled=False):
+            X = hidden.reshape(-1, d)
+            y = targets.reshape(-1)
+            valid = y != ignore_index
+            if gates is not None:
+                rg = row_gating(gates, y, valid, acc)
+                first = (valid & ~rg.in_other).nonzero().squeeze(1)
+                second = (valid & rg.in_other).nonzero().squeeze(1)
+                rows = torch.cat([first, second])
+                split = first.numel()
+            else:
+                rows = valid.nonzero().squeeze(1)
+                split = rows.numel()
+            n = rows.numel()
+            xs, ys = X[rows].to(compute), y[rows]
+            w = weight.to(compute)
+            b = None if bias is None else bias.to(compute)
+            dxs = torch.empty(n, d, dtype=compute, device=X.device) if want_dx else None
+            dw = torch.zeros(v, d, dtype=acc, device=X.device) if want_dw else None
+            db = torch.zeros(v, dtype=acc, device=X.device) if want_db else None
+            tv = torch.empty(n, dtype=acc, device=X.device)
+            loss = torch.zeros((), dtype=acc, device=X.device)
+            bounds = [(s, min(s + chunk_size, split)) for s in range(0, split, chunk_size)]
+            bounds += [(s, min(s + chunk_size, n)) for s in range(split, n, chunk_size)]
+            base_scaled = gates is None
+            for s, e in bounds:
+                if want_dw and not base_scaled and s >= split:
+                    dw.mul_(rg.base[:, None])
+                    base_scaled = True
+                z = F.linear(xs[s:e], w, b).to(acc)
+                yc = ys[s:e, None]
+                target_logit = z.gather(1, yc).squeeze(1)
+                zmax = z.amax(1, keepdim=True)
+                z.sub_(zmax).exp_()
+                zsum = z.sum(1, keepdim=True)
+                loss += (zmax.squeeze(1) + zsum.squeeze(1).log() - target_logit).sum()
+                z.div_(zsum)  # softmax
+                z.scatter_add_(1, yc, torch.full_like(target_logit[:, None], -1.0))
+                z.mul_(scale)  # G_c, the chunk's logit gradient
+                if want_dx:
+                    torch.mm(z.to(compute), w, out=dxs[s:e])
+                if want_db:
+                    db += z.sum(0)
+                if want_dw:
+                    if gates is not None:
+                        tv[s:e] = z.gather(1, yc).squeeze(1)
+                        if s >= split:
+                            z.mul_(rg.other)
+                    dw.addmm_(z.T, xs[s:e].to(acc))
+                del z  # free the chunk before the next one is allocated
+            if want_dw and gates is not None:
+                if not base_scaled:
+                    dw.mul_(rg.base[:, None])
+                coef = rg.target_fix[rows] * tv
+                dw.index_add_(0, ys, coef[:, None] * xs.to(acc))
+            dx = None
+            if want_dx:
+                dx = torch.zeros(X.shape, dtype=hidden.dtype, device=X.device)
+                dx[rows] = dxs.to(hidden.dtype)
+                dx = dx.reshape(hidden.shape)
+        ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
+        return loss * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        if ctx.grads is None:
+            raise RuntimeError("agg_cross_entropy: backward can run once per forward (the gradients are computed in forward)")
+        out = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
+        ctx.grads = None
+        return (*out, None, None, None, None, None, None)
+
+
+def agg_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    gates: AGGGates | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    normalizer: float | torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
+
+        loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − z_{i,y_i}) / D,   z_i = W h_i + b,
+
+    D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
+    and 0 gradients when there is none) or `normalizer` (``reduction="sum"``; 1 if None; pass
+    torchtitan's ``global_valid_tokens`` here). Gradients: plain CE for `hidden` and `bias`;
+    for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (methods.md §1.5),
+    or the plain one when `gates` is None (then this is an ordinary fused linear CE).
+
+    Peak extra memory: about two logit chunks (chunk_size × V, float32) plus dW (V × d, in at
+    least float32) and dX; never N × V. The gradients are computed in the forward, so the
+    backward may run once. Under autocast the GEMMs run in the autocast dtype; the logits chunk,
+    its gradient and dW are float32. `weight` must be the full (V, d) tensor (under FSDP2 call
+    it where the head parameter is unsharded).
+    """
+    check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk)")
+    if reduction == "mean":
+        if normalizer is not None:
+            raise ValueError("normalizer: only used with reduction='sum' (mean divides by the non-ignored targets)")
+        scale = 1.0 / max(int((targets != ignore_index).sum()), 1)
+    elif reduction == "sum":
+        scale = 1.0 if normalizer is None else 1.0 / normalizer
+    else:
+        raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+    if gates is not None:
+        gates = gates.to(weight.device)
+    targets = targets.to(hidden.device)
+    dtypes = compute_dtypes(hidden, weight)
+    return _FusedAGGCrossEntropy.apply(
+        hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes
+    )

@@ -1,0 +1,112 @@
+"""Time of each regularizer (value + gradient) relative to a plain LM-head step.
+
+Baseline: F.linear(h, W) + F.cross_entropy over N tokens, forward and backward (gradients of
+h and W), fp32 on CPU, measured in the same process. Each regularizer R(W) is timed as
+``R(W).backward()``. Minimum over interleaved rounds after one warm-up (performance.md §6.2).
+Both wall time and the process's CPU time are reported: on a shared machine the CPU-time
+ratio is the steadier one. The exact hinge costs 4V²d flops (about a minute at V = 50304 on two threads): it is timed once
+at a smaller vocabulary (--hinge-vocab) and extrapolated by (V / V_small)², which the table says.
+
+    python benchmarks/regularizers.py            # V=50304, d=768, N=4096, 2 threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from aniso_plugins.regularizers import cosine_hinge, cosreg, spectrum_penalty
+
+
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process: all its threads)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _min(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return min(a[0], b[0]), min(a[1], b[1])
+
+
+def _head_step(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        F.cross_entropy(F.linear(h, w), y).backward()
+        h.grad = w.grad = None
+
+    return run
+
+
+def _reg_step(w: torch.Tensor, reg: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        reg(w).backward()
+        w.grad = None
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=50304)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sample", type=int, default=512, help="rows of the sampled hinge")
+    parser.add_argument("--hinge-vocab", type=int, default=16384, help="vocabulary of the timed exact hinge")
+    parser.add_argument("--block", type=int, default=1024, help="rows per block of the hinge")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    v, d, n = args.vocab, args.hidden, args.tokens
+    w = (torch.randn(v, d, generator=g) * 0.02 + 0.01).requires_grad_(True)  # a mildly anisotropic head
+    h = torch.randn(n, d, generator=g).requires_grad_(True)
+    y = torch.randint(0, v, (n,), generator=g)
+    gen = torch.Generator().manual_seed(1)
+    cases: dict[str, tuple[str, Callable[[], None]]] = {
+        "head step (baseline)": (f"N={n}", _head_step(h, w, y)),
+        "cosreg": ("exact", _reg_step(w, cosreg)),
+        "hinge, sampled": (
+            f"{args.sample} rows, block {args.block}",
+            _reg_step(w, lambda x: cosine_hinge(x, 0.5, block=args.block, sample=args.sample, generator=gen)),
+        ),
+        "spectrum, poly": ("Gram + eigvalsh", _reg_step(w, lambda x: spectrum_penalty(x, "poly", c1=1.0))),
+        "spectrum, ratio": ("Gram + eigvalsh", _reg_step(w, lambda x: spectrum_penalty(x, "ratio"))),
+    }
+    best = {name: (float("inf"), float("inf")) for name in cases}
+    for name, (_, run) in cases.items():  # warm-up
+        run()
+    for _ in range(args.rounds):
+        for name, (_, run) in cases.items():
+            best[name] = _min(best[name], _timed(run))
+
+    small = w.detach()[: args.hinge_vocab].clone().requires_grad_(True)
+    exact = _reg_step(small, lambda x: cosine_hinge(x, 0.5, block=args.block))
+    _reg_step(small[:2048].detach().clone().requires_grad_(True), lambda x: cosine_hinge(x, 0.5))()  # warm-up
+    hinge_small = _timed(exact)
+    grow = (v / args.hinge_vocab) ** 2
+    hinge_full = (hinge_small[0] * grow, hinge_small[1] * grow)
+    baseline = cases["head step (baseline)"][1]
+    best["head step (baseline)"] = _min(best["head step (baseline)"], _timed(baseline))  # adjacent to the hinge
+
+    base = best["head step (baseline)"]
+    print(f"V={v}, d={d}, N={n} tokens, fp32 CPU, torch.set_num_threads({args.threads}), min of {args.rounds} rounds")
+    print()
+    print("| regularizer (value + gradient) | setting | wall (s) | / head step | CPU (s) | / head step |")
+    print("|---|---|---|---|---|---|")
+    for name, (setting, _) in cases.items():
+        wall, cpu = best[name]
+        print(f"| {name} | {setting} | {wall:.3f} | {wall / base[0]:.3f} | {cpu:.3f} | {cpu / base[1]:.3f} |")
+    print(
+        f"| hinge, exact | block {args.block}; timed once at V={args.hinge_vocab} "
+        f"({hinge_small[0]:.1f} s wall), × (V/{args.hinge_vocab})² | {hinge_full[0]:.0f} (extrapolated) | "
+        f"{hinge_full[0] / base[0]:.1f} | {hinge_full[1]:.0f} (extrapolated) | {hinge_full[1] / base[1]:.1f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,563 @@
+"""torchtitan 0.3.0 adapter: the ``--aniso.*`` flags, the fused AGG head, metrics and DCP state.
+
+Two ways to turn aniso_plugins on (shared/docs/torchtitan.md §2.3-2.4, §7.2):
+
+1. Recipes (flags)::
+
+       torchrun --nproc_per_node 8 -m torchtitan.train \\
+           --module aniso_plugins.integrations.torchtitan --config llama3_debugmodel_aniso \\
+           --aniso.method agg --aniso.alpha 0.03 --aniso.window 1000
+
+   `AnisoTrainer.Config` adds the ``aniso`` section (every `aniso_plugins.AnisoConfig` field is
+   a flag; invalid values raise `aniso_plugins.ConfigError` naming the field). Recipes:
+   `llama3_debugmodel_aniso`, `llama3_1b_aniso`, `llama3_3b_aniso`; `aniso_trainer_config`
+   turns any ``Trainer.Config`` recipe of your own into one.
+
+2. Overrides on a stock recipe (``--module llama3 --config llama3_8b``)::
+
+       --override.imports aniso_plugins.integrations.torchtitan.aniso_head,\\
+       aniso_plugins.integrations.torchtitan.aniso_metrics,\\
+       aniso_plugins.integrations.torchtitan.aniso_checkpoint \\
+       'aniso_plugins.integrations.torchtitan.aniso_loss={"method": "agg", "window": 1000}'
+
+   `aniso_loss` carries the configuration (the `AnisoConfig` fields as JSON), `aniso_head`
+   swaps the LM head for `AnisoHead` (needed for AGG), `aniso_metrics` logs the metrics,
+   `aniso_checkpoint` connects the run to the trainer and checkpoints the plugin state
+   (required: without it the loss raises at the first step).
+
+What runs where (torchtitan calls the loss once per micro-batch; its `ChunkedLossWrapper` calls
+the LM head once per sequence chunk):
+
+- `AnisoChunkedLoss` (a `ChunkedLossWrapper`): per training micro-batch it hands the labels to
+  `aniso_plugins.session.TrainingSession.begin_micro_batch` (AGG's token counter is updated
+  there, once per micro-batch, summed over the data-parallel ranks). With ``method="agg"`` it
+  arms `AnisoHead` and calls it once on the micro-batch's hidden states: the head returns the
+  core's fused chunked AGG cross-entropy (`aniso_plugins.agg_cross_entropy`, chunks of
+  ``agg_chunk_size`` rows, normalized by torchtitan's ``global_valid_tokens``), never the full
+  logits. Otherwise it is torchtitan's own chunked loss, unchanged. Validation calls (no
+  ``global_valid_tokens``) are torchtitan's loss, untouched: no counting, no loss terms.
+- Loss terms (CosReg, hinge, spectrum) are attached by the session in the head's forward, once
+  per optimizer step. torchtitan SUMS gradients over data-parallel ranks, so every rank adds
+  the (identical, global) term with weight 1/dp (``TrainingSession(loss_scale=1/dp)``).
+- After each optimizer step (an optimizer step post-hook) the session advances its counters
+  and, at measurement steps, measures (collective, every rank); `AnisoMetricsProcessor` adds
+  the ``aniso/...`` values to torchtitan's own log record (TensorBoard / W&B) at that step.
+- The plugin state is a DCP ``Stateful`` at ``checkpointer.states["aniso"]`` (identical on every
+  rank). A checkpoint written without it (stock torchtitan, or before aniso_plugins was
+  enabled) resumes with ``--checkpoint.exclude_from_loading aniso`` (the counters start empty).
+
+CUDA graphs: the session runs Python per micro-batch inside the loss (counter updates, gates,
+loss terms), which a captured graph would freeze after the first step, so the recipes set
+``training.disable_cuda_graphs=True`` and the adapter refuses to run with graphs on.
+
+Supported parallelism: data parallel over all ranks (FSDP2 ``dp_shard`` or ``dp_replicate``,
+not both); tensor, context, pipeline and expert parallelism raise `aniso_plugins.SetupError`.
+``head`` must stay "keep" (torchtitan builds the model from its config: untie with the model
+config's ``enable_weight_tying=False``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import torch
+from torch import nn
+
+from .. import AnisoConfig, ConfigError, ModelHandle, SetupError
+from ..agg import AGGGates
+from ..fused_ce import agg_cross_entropy
+from ..session import TrainingSession
+
+try:
+    import tyro
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.config.override import derive, override
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.trainer import Trainer
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        'aniso_plugins.integrations.torchtitan needs torchtitan 0.3.0: pip install "aniso-plugins[torchtitan]"'
+    ) from e
+
+logger = logging.getLogger("aniso_plugins.torchtitan")
+
+STATE_KEY = "aniso"
+"""Key of the plugin state in ``checkpointer.states`` (and in DCP checkpoints)."""
+
+
+def default_config(**fields: Any) -> AnisoConfig:
+    """`AnisoConfig` with torchtitan's default ``agg_fused=True`` (AGG as the fused chunked
+    cross-entropy in `AnisoHead`; ``agg_fused=False`` gates torchtitan's own logit chunks
+    with the core's `aniso_plugins.agg_linear` instead)."""
+    return AnisoConfig.from_dict({"agg_fused": True, **fields})
+
+
+# --- model -------------------------------------------------------------------------------------
+class TitanModelHandle(ModelHandle):
+    """`ModelHandle` for torchtitan decoders: ``lm_head``, ``tok_embeddings`` and the
+    ``layers`` ModuleDict (in order)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model, head="lm_head", input_embedding="tok_embeddings", blocks="layers")
+
+    def blocks(self) -> list[nn.Module]:
+        layers = getattr(self.model, "layers", None)
+        return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or ())
+
+
+class AnisoHead(Linear):
+    """torchtitan's `Linear` LM head (same ``weight``, same ``forward(input)``, same sharding
+    plan), whose forward can return the fused AGG cross-entropy instead of logits.
+
+    `arm` hands over one training micro-batch's targets, AGG gates and loss normalizer; the
+    next forward consumes them and returns (methods.md §1.5, performance.md §3.2)
+
+        Σ_{i: y_i ≠ -100} (logsumexp(W h_i) − (W h_i)_{y_i}) / global_valid_tokens
+
+    with ∂/∂h the plain cross-entropy gradient and ∂/∂W = (G ⊙ Γ)ᵀ X the AGG-gated one, computed
+    chunk by chunk by `aniso_plugins.agg_cross_entropy` inside this module's forward, where
+    FSDP2 has unsharded ``weight``. Unarmed, it is exactly ``nn.Linear.forward``.
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        pass
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._armed: tuple | None = None
+
+    def arm(self, targets: torch.Tensor, gates: AGGGates, normalizer: torch.Tensor, chunk_size: int) -> None:
+        """Targets (aligned with the output positions), the micro-batch's gates, the loss
+        normalizer and the rows per chunk for the next forward."""
+        self._armed = (targets, gates, normalizer, chunk_size)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torchtitan's TP plan names it `input`
+        if self._armed is None:
+            return super().forward(input)
+        targets, gates, normalizer, chunk_size = self._armed
+        self._armed = None
+        return agg_cross_entropy(
+            input,
+            self.weight,
+            targets,
+            gates,
+            bias=self.bias,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            normalizer=normalizer,
+            chunk_size=chunk_size,
+        )
+
+
+# --- loss --------------------------------------------------------------------------------------
+class AnisoChunkedLoss(ChunkedLossWrapper):
+    """torchtitan's chunked loss with the session's per-micro-batch events (see the module
+    docstring). For ``method != "agg"`` its value and gradients are `ChunkedLossWrapper`'s."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ChunkedLossWrapper.Config):
+        aniso: Annotated[AnisoConfig | None, tyro.conf.Suppress] = None
+        """The configuration on the override path (`aniso_loss` kwargs); `AnisoTrainer` uses
+        its ``--aniso`` section instead."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.aniso_config = config.aniso
+        self.runtime: AnisoRuntime | None = None
+
+    def __call__(
+        self,
+        pred: torch.Tensor,
+        labels: torch.Tensor,
+        global_valid_tokens: torch.Tensor | None = None,
+        **loss_inputs: Any,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        runtime = self.runtime
+        if global_valid_tokens is None or not pred.requires_grad:  # validation: torchtitan's loss
+            if runtime is None or not runtime.evaluates:
+                return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
+            feed = runtime.session.eval_batch  # each chunk's logits with its labels
+            with self._per_chunk(labels, lambda chunk: (lambda module, args, out: feed(out, chunk)), forward=True):
+                return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
+        if runtime is None:
+            raise SetupError(
+                "AnisoChunkedLoss is not connected to the trainer: use an AnisoTrainer recipe, or add "
+                "aniso_plugins.integrations.torchtitan.aniso_checkpoint to --override.imports"
+            )
+        gates = runtime.begin_micro_batch(labels)
+        if gates is None:
+            return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
+        config = runtime.session.config
+        if config.agg_fused:
+            self.lm_head.arm(labels, gates, global_valid_tokens, config.agg_chunk_size)
+            return self.lm_head(pred), {}
+        # Unfused: the AGG plugin's gated forward (agg_linear) on each of torchtitan's chunks.
+        arm = runtime.agg_head.arm
+        with self._per_chunk(labels, lambda chunk: (lambda module, args: arm(chunk, gates)), forward=False):
+            return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
+
+    @contextlib.contextmanager
+    def _per_chunk(
+        self, labels: torch.Tensor, make_hook: Callable[[torch.Tensor], Callable], forward: bool
+    ) -> Iterator[None]:
+        """While inside, the i-th LM-head call of the chunk loop runs ``make_hook(label_chunk_i)``
+        as a forward hook (`forward`) or pre-hook: torchtitan splits the sequence into
+        ``num_chunks`` equal chunks, and so does this."""
+        hooks = iter([make_hook(chunk) for chunk in labels.chunk(self.num_chunks, dim=1)])
+        call = lambda *args: next(hooks)(*args)  # noqa: E731
+        handle = self.lm_head.register_forward_hook(call) if forward else self.lm_head.register_forward_pre_hook(call)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+
+# --- metrics -----------------------------------------------------------------------------------
+class AnisoMetricsProcessor(MetricsProcessor):
+    """torchtitan's `MetricsProcessor` plus the aniso metrics, written by torchtitan's own
+    loggers (TensorBoard / W&B) at the step they were measured at: training metrics
+    (``aniso/...``, measured after the optimizer step) join that step's record in `log`, or are
+    written on their own at steps torchtitan does not log (``--aniso.metrics_every``);
+    evaluation metrics (``validation_metrics/aniso/...``, e.g. ``eval`` perplexity per
+    frequency group) are measured over the validation batches and join `log_validation`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(MetricsProcessor.Config):
+        pass
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.aniso_pending: dict[str, float] = {}
+        self.runtime: AnisoRuntime | None = None
+
+    def add_aniso(self, metrics: dict[str, float], step: int) -> None:
+        """Metrics measured at `step`: kept for `log` if torchtitan logs `step`, written now otherwise."""
+        if self.should_log(step):
+            self.aniso_pending.update(metrics)
+        elif metrics:
+            self.logger.log(dict(metrics), step)
+
+    def log(
+        self,
+        step: int,
+        global_avg_loss: float,
+        global_max_loss: float,
+        grad_norm: float,
+        extra_metrics: dict[str, Any] | None = None,
+    ) -> None:
+        extra = {**(extra_metrics or {}), **self.aniso_pending}
+        self.aniso_pending = {}
+        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
+
+    def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
+        extra = dict(extra_metrics or {})
+        if self.runtime is not None and self.runtime.evaluates:
+            extra.update(self.runtime.measure_eval(step))
+        super().log_validation(loss, step, extra_metrics=extra)
+
+
+# --- checkpoint state --------------------------------------------------------------------------
+class AnisoCheckpointState(Stateful):
+    """The session's state as one DCP entry (``aniso.state``): the plugins' tensors are
+    serialized to bytes because their shapes change during training (AGG's sparse window),
+    which DCP's in-place tensor loading cannot follow. Identical on every rank (counters are
+    all-reduced), so DCP's de-duplication keeps a correct copy."""
+
+    def __init__(self, session: TrainingSession) -> None:
+        self.session = session
+
+    def state_dict(self) -> dict[str, bytes]:
+        buffer = io.BytesIO()
+        torch.save(self.session.state_dict(), buffer)
+        return {"state": buffer.getvalue()}
+
+    def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
+        state = torch.load(io.BytesIO(state_dict["state"]), weights_only=True)
+        self.session.load_state_dict(state)
+
+
+class AnisoCheckpointManager(CheckpointManager):
+    """torchtitan's DCP `CheckpointManager` that, on the override path, connects aniso_plugins
+    to the trainer being built (it is the last component built before training) and registers
+    the plugin state. Under `AnisoTrainer` it is a plain `CheckpointManager`."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def __init__(self, config: Config, *, states: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(config, states=states, **kwargs)
+        trainer = states.get("train_state")
+        if not isinstance(trainer, Trainer):
+            raise SetupError("AnisoCheckpointManager: the trainer is not among the checkpoint states ('train_state')")
+        if isinstance(trainer, AnisoTrainer):
+            return  # AnisoTrainer connects itself after construction
+        loss = getattr(trainer, "loss_fn", None)
+        config_ = loss.aniso_config if isinstance(loss, AnisoChunkedLoss) else None
+        AnisoRuntime(trainer, config_ or default_config(), self)
+
+
+# --- the connection between one trainer and one session ----------------------------------------
+def _data_parallel_degree(parallel_dims) -> int:
+    """Ranks over which torchtitan sums gradients, after refusing layouts the core cannot
+    reduce over (its statistics assume one data-parallel group spanning the world)."""
+    pd = parallel_dims
+    unsupported = {name: getattr(pd, name) for name in ("tp", "cp", "pp", "ep") if getattr(pd, name) > 1}
+    if unsupported:
+        raise SetupError(
+            f"aniso_plugins supports data parallelism only (FSDP2 dp_shard or dp_replicate); got {unsupported}"
+        )
+    if pd.dp_replicate > 1 and pd.dp_shard > 1:
+        raise SetupError(
+            f"aniso_plugins does not support HSDP (dp_replicate={pd.dp_replicate} x dp_shard={pd.dp_shard}): "
+            "use one data-parallel dimension"
+        )
+    return pd.dp_replicate * pd.dp_shard
+
+
+class AnisoRuntime:
+    """One `TrainingSession` connected to one built torchtitan ``Trainer``.
+
+    trainer: the trainer (its loss must be `AnisoChunkedLoss`); config: the run's
+    `AnisoConfig`; checkpointer: the trainer's checkpoint manager (passed because on the
+    override path the trainer does not hold it yet).
+
+    Effects: the session is set up on the model (after FSDP2), the loss gets ``runtime``, an
+    optimizer step post-hook ends steps and measures, and, with checkpointing enabled,
+    ``checkpointer.states["aniso"]`` holds `AnisoCheckpointState`.
+    """
+
+    def __init__(self, trainer: Trainer, config: AnisoConfig, checkpointer) -> None:
+        loss = getattr(trainer, "loss_fn", None)
+        if not isinstance(loss, AnisoChunkedLoss):
+            raise SetupError(
+                f"aniso_plugins needs the loss AnisoChunkedLoss (torchtitan's ChunkedLossWrapper with aniso "
+                f"events), got {type(loss).__name__}: use aniso_trainer_config / the aniso_loss override "
+                "on a recipe whose loss is ChunkedLossWrapper"
+            )
+        if loss.runtime is not None:
+            raise SetupError("this AnisoChunkedLoss is already connected to a trainer")
+        if not trainer.config.training.disable_cuda_graphs:
+            raise SetupError(
+                "training.disable_cuda_graphs=False: aniso_plugins runs Python in the loss on every micro-batch "
+                "(token counters, AGG gates, loss terms), which a captured CUDA graph would freeze; "
+                "pass --training.disable_cuda_graphs"
+            )
+        if config.ignore_index != IGNORE_INDEX:
+            raise ConfigError(f"ignore_index={config.ignore_index!r}: torchtitan's labels use {IGNORE_INDEX}")
+        if config.head != "keep":
+            raise ConfigError(
+                f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
+                "from its config; untie with the model config's enable_weight_tying=False)"
+            )
+        if config.method == "agg" and config.window is None:
+            raise ConfigError(
+                "window=None: AGG needs K, the optimizer steps its token counter remembers (the paper: one "
+                "epoch), and torchtitan's streaming data has no epoch length: pass --aniso.window K"
+            )
+        model = trainer.model_parts[0]
+        if config.method == "agg" and config.agg_fused and not isinstance(model.lm_head, AnisoHead):
+            raise SetupError(
+                f"method='agg' with agg_fused needs the LM head AnisoHead, got {type(model.lm_head).__name__}: use "
+                "an aniso recipe or add aniso_plugins.integrations.torchtitan.aniso_head to --override.imports"
+            )
+        dp = _data_parallel_degree(trainer.parallel_dims)
+        self.trainer = trainer
+        self.session = TrainingSession(config, loss_scale=1.0 / dp)
+        self.session.setup(TitanModelHandle(model))
+        self._agg = self.session.plugins.get("agg")
+        # The AGG plugin's in-place gated forward (aniso_plugins.AGGHead), armed per chunk when unfused.
+        self.agg_head = None if self._agg is None else self._agg.head
+        if self._agg is not None and config.agg_fused:
+            # The fused path runs AnisoHead's own forward; the plugin's gated forward (which
+            # would return the micro-batch's full logits) comes off, its gates are still read.
+            self.agg_head.remove()
+        # Validation batches are fed to the plugins only if one of them evaluates (``eval`` metrics).
+        self.evaluates = bool(self.session.plugins.pm.hook.aniso_eval_batch.get_hookimpls())
+        self.metrics = trainer.metrics_processor
+        if isinstance(self.metrics, AnisoMetricsProcessor):
+            self.metrics.runtime = self
+        elif config.metrics:
+            logger.warning(
+                "aniso metrics %s are measured but torchtitan's %s does not log them: use an aniso recipe or add "
+                "aniso_plugins.integrations.torchtitan.aniso_metrics to --override.imports",
+                config.metrics,
+                type(self.metrics).__name__,
+            )
+        trainer.optimizers.register_step_post_hook(self._after_optimizer_step)
+        if checkpointer.enable:
+            checkpointer.states[STATE_KEY] = AnisoCheckpointState(self.session)
+        loss.runtime = self
+
+    def begin_micro_batch(self, labels: torch.Tensor) -> AGGGates | None:
+        """Announce a training micro-batch; returns its AGG gates (None without AGG)."""
+        trainer = self.trainer
+        step = trainer.step
+        self.session.begin_micro_batch(
+            labels,
+            step=step,
+            accumulation_steps=trainer.gradient_accumulation_steps,
+            measure=self.session.plugins.metrics_due(step, self.metrics.should_log(step)),
+        )
+        return None if self._agg is None else self._agg.last_gates
+
+    def measure_eval(self, step: int) -> dict[str, float]:
+        """Evaluation metrics over the validation batches seen since the last call, named
+        ``validation_metrics/aniso/...``; collective (torchtitan validates on every rank)."""
+        metrics = {f"validation_metrics/{k}": v for k, v in self.session.measure(step, kind="eval").items()}
+        self.session.plugins.log(metrics, step, kind="eval")
+        return metrics
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        step = self.trainer.step
+        self.session.end_step(step)
+        if not self.session.plugins.metrics_due(step, self.metrics.should_log(step)):
+            return
+        metrics = self.session.measure(step)
+        if isinstance(self.metrics, AnisoMetricsProcessor):
+            self.metrics.add_aniso(metrics, step)
+        self.session.plugins.log(metrics, step)
+
+
+# --- the trainer and the recipes ---------------------------------------------------------------
+class AnisoTrainer(Trainer):
+    """torchtitan's `Trainer` with an ``aniso`` configuration section (``--aniso.<field>``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        aniso: AnisoConfig = field(default_factory=default_config)
+        """aniso_plugins: methods and metrics (fields of aniso_plugins.AnisoConfig)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self.aniso = AnisoRuntime(self, config.aniso, self.checkpointer)
+
+
+def aniso_trainer_config(base: Trainer.Config, aniso: AnisoConfig | None = None) -> AnisoTrainer.Config:
+    """`base` (any llama-style ``Trainer.Config`` recipe with torchtitan's chunked loss) as an
+    `AnisoTrainer.Config`: same fields, ``aniso`` section `aniso` (default: `default_config()`),
+    LM head `AnisoHead`, loss `AnisoChunkedLoss`, metrics `AnisoMetricsProcessor`, CUDA graphs
+    off. With ``--aniso.method none`` and no metrics the run equals `base`'s."""
+    if not isinstance(base.loss, ChunkedLossWrapper.Config):
+        raise SetupError(
+            f"aniso_trainer_config: the recipe's loss is {type(base.loss).__name__}; aniso_plugins needs "
+            "torchtitan's ChunkedLossWrapper (the default of the llama3 recipes)"
+        )
+    if base.model_spec is None or not isinstance(getattr(base.model_spec.model, "lm_head", None), Linear.Config):
+        raise SetupError("aniso_trainer_config: the recipe's model has no Linear lm_head")
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init and f.name != "aniso"}
+    config = AnisoTrainer.Config(**values, aniso=aniso if aniso is not None else default_config())
+    model = config.model_spec.model
+    model.lm_head = derive(model.lm_head, AnisoHead.Config)
+    config.loss = derive(config.loss, AnisoChunkedLoss.Config)
+    config.metrics = derive(config.metrics, AnisoMetricsProcessor.Config)
+    config.training.disable_cuda_graphs = True
+    return config
+
+
+def llama3_debugmodel_aniso() -> AnisoTrainer.Config:
+    """torchtitan's ``llama3_debugmodel`` recipe (6 layers, d=256, V=2048, untied) with aniso_plugins."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    return aniso_trainer_config(llama3_debugmodel())
+
+
+def _llama3_small(flavor: str, hf_assets_path: str) -> AnisoTrainer.Config:
+    """torchtitan's ``llama3_8b`` training recipe with the model `flavor` (tied embeddings)."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.config_registry import llama3_8b
+
+    config = llama3_8b()
+    config.model_spec = model_registry(flavor)
+    config.loss.loss_fn = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(config.model_spec))
+    config.hf_assets_path = hf_assets_path
+    return aniso_trainer_config(config)
+
+
+def llama3_1b_aniso() -> AnisoTrainer.Config:
+    """Llama 3.2 1B (tied embeddings) on torchtitan's ``llama3_8b`` training settings."""
+    return _llama3_small("1B", "./assets/hf/Llama-3.2-1B")
+
+
+def llama3_3b_aniso() -> AnisoTrainer.Config:
+    """Llama 3.2 3B (tied embeddings) on torchtitan's ``llama3_8b`` training settings."""
+    return _llama3_small("3B", "./assets/hf/Llama-3.2-3B")
+
+
+# --- overrides for stock recipes (--override.imports) ------------------------------------------
+@override(
+    target=Linear.Config,
+    fqns=["model_spec.model.lm_head"],
+    exact=True,
+    description="aniso_plugins: LM head that can run the fused AGG cross-entropy",
+)
+def aniso_head(cfg: Linear.Config) -> AnisoHead.Config:
+    """``model_spec.model.lm_head``: `Linear` -> `AnisoHead` (needed for ``method="agg"``)."""
+    return derive(cfg, AnisoHead.Config)
+
+
+@override(
+    target=ChunkedLossWrapper.Config,
+    fqns=["loss"],
+    description="aniso_plugins: chunked loss with the aniso events; kwargs are AnisoConfig fields",
+)
+def aniso_loss(cfg: ChunkedLossWrapper.Config, **aniso: Any) -> AnisoChunkedLoss.Config:
+    """``loss``: `ChunkedLossWrapper` -> `AnisoChunkedLoss`; the JSON kwargs are `AnisoConfig`
+    fields (``{"method": "agg", "window": 1000}``); unknown or invalid ones raise `ConfigError`."""
+    return derive(cfg, AnisoChunkedLoss.Config, aniso=default_config(**aniso))
+
+
+@override(
+    target=MetricsProcessor.Config,
+    fqns=["metrics"],
+    exact=True,
+    description="aniso_plugins: log the aniso/... metrics with torchtitan's",
+)
+def aniso_metrics(cfg: MetricsProcessor.Config) -> AnisoMetricsProcessor.Config:
+    """``metrics``: `MetricsProcessor` -> `AnisoMetricsProcessor`."""
+    return derive(cfg, AnisoMetricsProcessor.Config)
+
+
+@override(
+    target=CheckpointManager.Config,
+    fqns=["checkpoint"],
+    exact=True,
+    description="aniso_plugins: connect the run and checkpoint the plugin state",
+)
+def aniso_checkpoint(cfg: CheckpointManager.Config) -> AnisoCheckpointManager.Config:
+    """``checkpoint``: `CheckpointManager` -> `AnisoCheckpointManager` (required on the override path)."""
+    return derive(cfg, AnisoCheckpointManager.Config)
+
+
+__all__ = [
+    "AnisoCheckpointManager",
+    "AnisoCheckpointState",
+    "AnisoChunkedLoss",
+    "AnisoHead",
+    "AnisoMetricsProcessor",
+    "AnisoRuntime",
+    "AnisoTrainer",
+    "STATE_KEY",
+    "TitanModelHandle",
+    "aniso_checkpoint",
+    "aniso_head",
+    "aniso_loss",
+    "aniso_metrics",
+    "aniso_trainer_config",
+    "default_config",
+    "llama3_1b_aniso",
+    "llama3_3b_aniso",
+    "llama3_debugmodel_aniso",
+]

@@ -1,0 +1,464 @@
+"""The torchtitan 0.3.0 adapter with torchtitan's real Trainer on CPU (tests/torchtitan_launcher.py).
+
+End-to-end runs (subprocesses, 1 rank and 2 gloo ranks with FSDP2 dp_shard=2) of llama3's debug
+model shrunk to 2 layers, on the project's own tokenizer and data (tests/torchtitan_data.py),
+all starting from one seed checkpoint so that 1-rank and 2-rank runs share their initial
+weights. They run once per module, a few at a time, and the tests compare their records.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from aniso_plugins import AnisoConfig, ConfigError, SetupError  # noqa: E402
+from references import agg_output_grad  # noqa: E402
+from torchtitan_data import rank_order, write_assets  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LAUNCHER = os.path.join(HERE, "torchtitan_launcher.py")
+MOD = "aniso_plugins.integrations.torchtitan"
+SEQ, LOCAL, WORLD2_LOCAL, N_DOCS = 32, 4, 2, 64
+AGG = ["--aniso.method", "agg", "--aniso.alpha", "2.5", "--aniso.window", "3"]
+NO_METRICS = ["--aniso.metrics"]  # an empty tuple: training only
+
+
+# --- configuration, recipes, overrides (in process, no training) -----------------------------------
+def test_aniso_flags_fill_the_section_and_bad_values_name_the_field(capsys):
+    from torchtitan.config import ConfigManager
+
+    base = ["--module", MOD, "--config", "llama3_debugmodel_aniso"]
+    flags = ["--aniso.method", "agg", "--aniso.alpha", "0.05", "--aniso.window", "7", "--aniso.metrics", "geometry", "eval"]
+    aniso = ConfigManager().parse_args(base + flags).aniso
+    assert (aniso.method, aniso.alpha, aniso.window, aniso.metrics) == ("agg", 0.05, 7, ("geometry", "eval"))
+    assert aniso.agg_fused  # torchtitan's default: the fused AGG cross-entropy
+    assert not ConfigManager().parse_args(base + ["--aniso.no-agg-fused"]).aniso.agg_fused
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args(base + ["--aniso.alpha", "-1"])
+    assert "alpha=-1.0: expected a number > 0" in capsys.readouterr().err.replace("\n", " ").replace("│", "")
+
+
+def test_recipes_install_the_aniso_components_and_turn_cuda_graphs_off():
+    from aniso_plugins.integrations import torchtitan as tt
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
+
+    recipes = [(tt.llama3_debugmodel_aniso, 2048, False), (tt.llama3_1b_aniso, 128256, True), (tt.llama3_3b_aniso, 128256, True)]
+    for recipe, vocab, tied in recipes:
+        cfg = recipe()
+        model = cfg.model_spec.model
+        assert isinstance(cfg, tt.AnisoTrainer.Config) and cfg.training.disable_cuda_graphs
+        assert type(model.lm_head) is tt.AnisoHead.Config and model.lm_head.out_features == vocab
+        assert model.enable_weight_tying is tied
+        assert type(cfg.loss) is tt.AnisoChunkedLoss.Config and cfg.loss.loss_fn.global_vocab_size == vocab
+        assert type(cfg.metrics) is tt.AnisoMetricsProcessor.Config
+        assert cfg.aniso == tt.default_config() and cfg.aniso.method == "none"
+    with pytest.raises(SetupError, match="ChunkedLossWrapper"):
+        tt.aniso_trainer_config(llama3_debugmodel_ce_loss())
+
+
+def test_override_factories_swap_the_nodes_and_validate_their_json():
+    from aniso_plugins.integrations import torchtitan as tt
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    def apply(kwargs):
+        cfg = llama3_debugmodel()
+        imports = [f"{MOD}.{name}" for name in ("aniso_head", "aniso_metrics", "aniso_checkpoint")]
+        imports.append((f"{MOD}.aniso_loss", kwargs))
+        apply_overrides(OverrideConfig(imports=imports), cfg)
+        return cfg
+
+    cfg = apply({"method": "agg", "window": 100, "metrics": ["geometry", "frequency"]})
+    assert type(cfg.model_spec.model.lm_head) is tt.AnisoHead.Config
+    assert cfg.model_spec.model.lm_head.param_init is not None  # copied from the stock head
+    assert type(cfg.metrics) is tt.AnisoMetricsProcessor.Config
+    assert type(cfg.checkpoint) is tt.AnisoCheckpointManager.Config
+    assert type(cfg.loss) is tt.AnisoChunkedLoss.Config and cfg.loss.num_chunks == 8
+    assert cfg.loss.aniso == AnisoConfig(method="agg", window=100, metrics=("geometry", "frequency"), agg_fused=True)
+    with pytest.raises(ConfigError, match="unknown configuration fields"):
+        apply({"methd": "agg"})
+    with pytest.raises(ConfigError, match="method='bogus'"):
+        apply({"method": "bogus"})
+
+
+def test_head_is_linear_unarmed_and_the_token_normalized_cross_entropy_armed():
+    import torch.nn.functional as F
+    from aniso_plugins import agg_gates
+    from aniso_plugins.integrations.torchtitan import AnisoHead
+
+    head = AnisoHead.Config(in_features=8, out_features=16).build()
+    h, y = torch.randn(2, 5, 8), torch.randint(0, 16, (2, 5))
+    y[0, 0] = -100
+    assert torch.equal(head(h), F.linear(h, head.weight))
+    gates = agg_gates(torch.bincount(y[y >= 0], minlength=16).float(), alpha=1.5)
+    head.arm(y, gates, torch.tensor(40), chunk_size=3)
+    loss = head(h)  # Σ NLL / 40 (torchtitan's global_valid_tokens), not the mean over 9 targets
+    expected = F.cross_entropy(F.linear(h, head.weight).double().reshape(-1, 16), y.reshape(-1), reduction="sum") / 40
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(head(h), F.linear(h, head.weight))  # one armed call only
+
+
+def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, dp_replicate=1, dp_shard=1):
+    from types import SimpleNamespace
+
+    from aniso_plugins.integrations.torchtitan import AnisoChunkedLoss, AnisoHead
+
+    head = head if head is not None else AnisoHead.Config(in_features=8, out_features=16).build()
+    model = torch.nn.Module()
+    model.lm_head, model.tok_embeddings = head, torch.nn.Embedding(16, 8)
+    return SimpleNamespace(
+        loss_fn=loss if loss is not None else AnisoChunkedLoss.Config().build(),
+        config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=graphs_off)),
+        model_parts=[model],
+        parallel_dims=SimpleNamespace(tp=tp, cp=1, pp=1, ep=1, dp_replicate=dp_replicate, dp_shard=dp_shard),
+        optimizers=SimpleNamespace(register_step_post_hook=lambda hook: None),
+        metrics_processor=SimpleNamespace(),
+    )
+
+
+@pytest.mark.parametrize(
+    "trainer_kw, config_kw, error, match",
+    [
+        (dict(graphs_off=False), {}, SetupError, "disable_cuda_graphs"),
+        (dict(tp=2), {}, SetupError, "'tp': 2"),
+        (dict(dp_replicate=2, dp_shard=2), {}, SetupError, "HSDP"),
+        ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
+        ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
+        ({}, dict(method="agg"), ConfigError, "--aniso.window"),
+        (dict(head=torch.nn.Linear(8, 16)), dict(method="agg", window=5, agg_fused=True), SetupError, "aniso_head"),
+        (dict(loss=object()), {}, SetupError, "AnisoChunkedLoss"),
+    ],
+)
+def test_unsupported_setups_raise_before_training(trainer_kw, config_kw, error, match):
+    from types import SimpleNamespace
+
+    from aniso_plugins.integrations.torchtitan import AnisoRuntime
+
+    trainer = _fake_trainer(**trainer_kw)
+    with pytest.raises(error, match=match):
+        AnisoRuntime(trainer, AnisoConfig(metrics=(), **config_kw), SimpleNamespace(enable=False))
+
+
+def test_checkpoint_state_round_trips_and_refuses_another_configuration():
+    from aniso_plugins import StateError
+    from aniso_plugins.integrations.torchtitan import AnisoCheckpointState, AnisoRuntime
+
+    def runtime(**kw):
+        checkpointer = type("Checkpointer", (), {"enable": True, "states": {}})()
+        AnisoRuntime(_fake_trainer(), AnisoConfig(method="agg", window=3, metrics=(), **kw), checkpointer)
+        return checkpointer.states["aniso"]
+
+    saved = runtime()
+    session = saved.session
+    session.begin_micro_batch(torch.tensor([[1, 2, 2, 5]]), step=1)
+    session.end_step(1)
+    blob = saved.state_dict()
+    assert isinstance(saved, AnisoCheckpointState) and set(blob) == {"state"} and isinstance(blob["state"], bytes)
+    loaded = runtime()
+    loaded.load_state_dict(blob)
+    state = loaded.session.plugins.state_dict()["agg"]
+    assert state["ids"].tolist() == [1, 2, 5] and state["counts"].tolist() == [1, 2, 1] and int(state["step"][0]) == 2
+    with pytest.raises(StateError, match="alpha"):
+        runtime(alpha=0.5).load_state_dict(blob)
+
+
+# --- running torchtitan ------------------------------------------------------------------------
+@dataclass
+class Run:
+    name: str
+    folder: str
+    proc: subprocess.Popen
+    log: str
+    dump: str
+    world: int
+
+    def result(self) -> dict:
+        rc = self.proc.wait()
+        with open(self.log) as f:
+            out = f.read()
+        if rc != 0:
+            raise AssertionError(f"torchtitan run {self.name!r} failed (exit {rc}):\n{out[-6000:]}")
+        record = torch.load(self.dump, weights_only=False) if os.path.exists(self.dump) else {}
+        record["log"] = out
+        record["tb"] = _tensorboard(self.folder)
+        return record
+
+
+def _tensorboard(folder: str) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: dict[str, dict[int, float]] = {}
+    for events in glob.glob(os.path.join(folder, "tb", "*")):
+        acc = EventAccumulator(events)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return scalars
+
+
+class Launcher:
+    """Runs jobs in `root/<name>`, at most `parallel` processes at once, each after the jobs it
+    depends on (and after their `prepare` step)."""
+
+    def __init__(self, root: str, assets: dict[str, str], parallel: int = 3) -> None:
+        self.root, self.assets, self.parallel = root, assets, parallel
+
+    def command(self, name: str, config: str, args: list[str], world: int, local: int) -> tuple[list[str], dict, str]:
+        folder = os.path.join(self.root, name)
+        os.makedirs(folder, exist_ok=True)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
+            HF_DATASETS_CACHE=os.path.join(self.root, "hf_cache"),
+            HF_HUB_OFFLINE="1",
+            OMP_NUM_THREADS="1",
+            ANISO_TT_DUMP=os.path.join(folder, "record.pt"),
+        )
+        env.pop("RANK", None)
+        head = [sys.executable, LAUNCHER]
+        if world > 1:
+            head = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                    "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", LAUNCHER]
+        cmd = head + [
+            "--module", "torchtitan_launcher", "--config", config,
+            "--hf_assets_path", self.assets["tokenizer"], "--dataloader.dataset_path", self.assets[f"data_w{world}"],
+            "--dump_folder", folder, "--training.local_batch_size", str(local),
+            "--checkpoint.enable", *args,
+        ]  # fmt: skip
+        return cmd, env, folder
+
+    def run_all(self, jobs: list[dict]) -> dict[str, dict]:
+        """`jobs`: dicts with name, config, args, and optionally world, local (batch per rank and
+        micro-batch), after (names), prepare (called with the finished results before the job
+        starts). Returns name -> result."""
+        pending, running, done = list(jobs), {}, {}
+        try:
+            self._loop(pending, running, done)
+        finally:
+            for run in running.values():
+                run.proc.kill()
+        return done
+
+    def _loop(self, pending: list[dict], running: dict[str, Run], done: dict[str, dict]) -> None:
+        while pending or running:
+            for name, run in list(running.items()):
+                if run.proc.poll() is not None:
+                    done[name] = running.pop(name).result()
+            for job in list(pending):
+                if not all(dep in done for dep in job.get("after", ())):
+                    continue
+                busy = sum(r.world for r in running.values())
+                if busy and busy + job.get("world", 1) > self.parallel:
+                    break
+                pending.remove(job)
+                if job.get("prepare"):
+                    job["prepare"](done)
+                world = job.get("world", 1)
+                local = job.get("local", LOCAL if world == 1 else WORLD2_LOCAL)
+                cmd, env, folder = self.command(job["name"], job["config"], job["args"], world, local)
+                log = os.path.join(folder, "out.log")
+                with open(log, "w") as f:
+                    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=f, stderr=subprocess.STDOUT)
+                running[job["name"]] = Run(job["name"], folder, proc, log, env["ANISO_TT_DUMP"], job.get("world", 1))
+            time.sleep(0.2)
+
+
+def _copy_checkpoint(src: str, dst: str, step: int) -> None:
+    shutil.copytree(os.path.join(src, "checkpoint", f"step-{step}"), os.path.join(dst, "checkpoint", f"step-{step}"))
+
+
+OVERRIDES = [
+    "--override.imports",
+    f"{MOD}.aniso_head,{MOD}.aniso_metrics,{MOD}.aniso_checkpoint",
+    f'{MOD}.aniso_loss={json.dumps({"method": "agg", "alpha": 2.5, "window": 3, "metrics_every": 2})}',
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict]:
+    root = str(tmp_path_factory.mktemp("titan"))
+    assets = write_assets(os.path.join(root, "assets"), seq_len=SEQ, n_docs=N_DOCS, local_batch=WORLD2_LOCAL)
+    launcher = Launcher(root, assets)
+    # 1-rank runs start from torchtitan's seeded initialization; the 2-rank ones load it from a
+    # seed checkpoint (FSDP2 initializes shards from per-rank random streams on CPU).
+    seed = ["--checkpoint.initial_load_path", os.path.join(root, "seed", "checkpoint", "step-0")]
+    agg_metrics = ["--aniso.metrics", "geometry", "eval", "--aniso.metrics_every", "2", "--metrics.log_freq", "4"]
+    validate = ["--validator.enable", "--validator.freq", "4", "--validator.dataloader.dataset_path", assets["data_w1"]]
+    cos = NO_METRICS + ["--aniso.method", "cosreg", "--aniso.reg_weight", "0.5", "--training.steps", "2"]
+
+    def copy(src: str, dst: str, step: int = 2):
+        return lambda done: _copy_checkpoint(os.path.join(root, src), os.path.join(root, dst), step)
+
+    return launcher.run_all([
+        dict(name="seed", config="cpu_stock", args=["--checkpoint.create_seed_checkpoint", "--training.steps", "1"]),
+        dict(name="agg_w2", config="cpu_aniso", args=seed + AGG + agg_metrics, world=2, after=["seed"]),
+        dict(name="cos_w2", config="cpu_aniso", args=seed + cos, world=2, after=["seed"]),
+        dict(name="stock", config="cpu_stock", args=[]),
+        dict(name="agg", config="cpu_aniso", args=AGG + agg_metrics + validate),
+        # 4 sequences per step as 2 micro-batches of 2: the term must still be added once
+        dict(name="cos", config="cpu_aniso", args=cos + ["--training.global_batch_size", "4"], local=2),
+        dict(name="none", config="cpu_aniso", args=NO_METRICS + ["--aniso.method", "none"]),
+        dict(name="unfused", config="cpu_aniso", args=AGG + NO_METRICS + ["--aniso.no-agg-fused", "--training.steps", "1"]),
+        dict(name="override", config="cpu_stock", args=OVERRIDES + ["--metrics.log_freq", "4"]),
+        # resume our own checkpoint (step 2 of "agg"), and a stock one (step 2 of "stock") with AGG on
+        dict(name="agg_resume", config="cpu_aniso", args=AGG + agg_metrics + validate, after=["agg"], prepare=copy("agg", "agg_resume")),
+        dict(
+            name="from_stock", config="cpu_aniso", args=AGG + NO_METRICS + ["--checkpoint.exclude_from_loading", "aniso"],
+            after=["stock"], prepare=copy("stock", "from_stock"),
+        ),
+    ])  # fmt: skip
+
+
+# --- the run is stock torchtitan when nothing is on ------------------------------------------------
+@pytest.mark.slow
+def test_method_none_equals_stock_torchtitan(runs):
+    stock, none = runs["stock"], runs["none"]
+    loss = "loss_metrics/global_avg_loss"
+    assert set(stock["tb"][loss]) == {1, 2, 3, 4}
+    assert none["tb"][loss] == stock["tb"][loss]
+    for name, value in stock["final_params"].items():
+        assert torch.equal(none["final_params"][name], value), name
+    assert not any(tag.startswith("aniso/") for tag in none["tb"])
+
+
+# --- AGG ---------------------------------------------------------------------------------------------
+def _step1_agg_reference(record: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference gated and plain head-weight gradients) from a 1-rank run's step-1 record."""
+    labels = torch.cat(record["labels"])
+    hidden = torch.cat(record["head_inputs"], dim=1) if len(record["head_inputs"]) > 1 else record["head_inputs"][0]
+    W = record["params"]["lm_head.weight"]
+    counts = torch.bincount(labels.reshape(-1), minlength=W.shape[0]).double()  # step 1: a_k = c_k / min(1, K)
+    h, y = hidden.reshape(-1, W.shape[1]), labels.reshape(-1)
+    gated = agg_output_grad(h, W, y, counts, 2.5, gated=True)
+    plain = agg_output_grad(h, W, y, counts, 2.5, gated=False)
+    return gated, plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["agg", "unfused"])
+def test_agg_gradients_equal_the_reference_on_step_one(runs, name):
+    record, stock = runs[name], runs["stock"]
+    gated, plain = _step1_agg_reference(record)
+    # the recorded inputs reproduce stock torchtitan's head gradient without gating ...
+    torch.testing.assert_close(stock["grads"]["lm_head.weight"].double(), plain, rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(gated, plain, atol=1e-5)  # the gates do change this step
+    # ... and AGG's head gradient is the gated one, everything else the plain cross-entropy's
+    torch.testing.assert_close(record["grads"]["lm_head.weight"].double(), gated, rtol=1e-4, atol=1e-7)
+    for param, grad in stock["grads"].items():
+        if param != "lm_head.weight":
+            torch.testing.assert_close(record["grads"][param], grad, rtol=1e-4, atol=1e-7, msg=param)
+    if name == "agg":  # the fused head never forms logits: one call on the whole micro-batch
+        assert len(record["head_inputs"]) == 1 and record["head_inputs"][0].shape == (LOCAL, SEQ, 256)
+    else:  # torchtitan's 8 chunks, each gated by the core's agg_linear
+        assert len(record["head_inputs"]) == 8
+
+
+@pytest.mark.slow
+def test_agg_counter_sums_all_ranks_and_two_ranks_train_like_one(runs):
+    one, two = runs["agg"], runs["agg_w2"]
+    assert rank_order(8, 2, 2) == [0, 1, 4, 5, 2, 3, 6, 7]  # the 2-rank file feeds the same global batches
+    for param, value in one["params"].items():  # the seed checkpoint is the 1-rank initialization
+        assert torch.equal(two["params"][param], value), param
+    for param, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][param], grad, rtol=1e-4, atol=1e-7, msg=param)
+    loss = "loss_metrics/global_avg_loss"
+    for step, value in one["tb"][loss].items():
+        assert two["tb"][loss][step] == pytest.approx(value, rel=1e-5)
+    state1, state2 = one["aniso_state"]["agg"], two["aniso_state"]["agg"]
+    assert int(state1["step"][0]) == 5  # 4 steps counted
+    for key, value in state1.items():
+        assert torch.equal(state2[key], value), key
+    # after step 4 the K=3 window holds steps 3 and 4 (step 5 will be its third): 2 · 128 targets
+    assert int(state1["counts"].sum()) + int(state1["current_counts"].sum()) == 2 * LOCAL * SEQ
+
+
+@pytest.mark.slow
+def test_metrics_reach_tensorboard_at_their_steps(runs):
+    for name in ("agg", "override"):
+        tb = runs[name]["tb"]
+        assert set(tb["loss_metrics/global_avg_loss"]) == {1, 4}  # --metrics.log_freq 4
+        assert set(tb["aniso/agg/rare_size"]) == {2, 4}  # --aniso.metrics_every 2 (2: off torchtitan's cadence)
+    tb = runs["agg"]["tb"]
+    for tag in ("aniso/geometry/head/mean_cosine", "aniso/geometry/embedding/isotropy"):
+        assert set(tb[tag]) == {2, 4}, tag
+    assert -1.0 <= tb["aniso/geometry/head/mean_cosine"][4] <= 1.0
+
+
+@pytest.mark.slow
+def test_validation_feeds_eval_metrics_and_neither_counts_nor_regularizes(runs):
+    tb = runs["agg"]["tb"]  # --validator.freq 4: validation after steps 1 and 4, one batch each
+    assert set(tb["validation_metrics/loss"]) == set(tb["validation_metrics/aniso/eval/ppl"]) == {1, 4}
+    for step, loss in tb["validation_metrics/loss"].items():  # the same positions, the same NLL
+        assert tb["validation_metrics/aniso/eval/ppl"][step] == pytest.approx(math.exp(loss), rel=1e-5)
+    # "agg_w2" and "override" never validate: equal counters and weights mean validation neither
+    # counted targets nor changed training (AGG gating only acts in training micro-batches)
+    for key, value in runs["agg"]["aniso_state"]["agg"].items():
+        assert torch.equal(runs["agg_w2"]["aniso_state"]["agg"][key], value), key
+
+
+# --- regularizer -------------------------------------------------------------------------------------
+def _cosreg_grad(W: torch.Tensor) -> torch.Tensor:
+    """∇ of CosReg (Gao et al. 2019, methods.md §3): (‖Σ_i w_i/‖w_i‖‖² − N)/N², float64."""
+    W = W.double().requires_grad_(True)
+    n = W.shape[0]
+    total = (W / W.norm(dim=1, keepdim=True)).sum(0)
+    ((total @ total - n) / n**2).backward()
+    return W.grad
+
+
+@pytest.mark.slow
+def test_cosreg_gradient_is_added_once_per_step_with_torchtitans_sum_over_ranks(runs):
+    stock = runs["stock"]  # 4 sequences in one micro-batch on one rank, no regularizer
+    expected = stock["grads"]["lm_head.weight"].double() + 0.5 * _cosreg_grad(stock["params"]["lm_head.weight"])
+    # the same 4 sequences as 2 micro-batches of 2 ("cos"), or 2 ranks x 2 ("cos_w2", each rank
+    # adds 1/2 of the term and FSDP2 sums): the step's gradient is stock's + 0.5 ∇R, once
+    for name in ("cos", "cos_w2"):
+        grads = runs[name]["grads"]
+        torch.testing.assert_close(grads["lm_head.weight"].double(), expected, rtol=1e-4, atol=1e-7, msg=name)
+        for param, grad in stock["grads"].items():
+            if param != "lm_head.weight":
+                torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-7, msg=f"{name} {param}")
+    assert set(runs["cos"]["tb"]["aniso/loss/cosreg"]) == {1, 2}
+
+
+# --- override path, checkpoints ----------------------------------------------------------------------
+@pytest.mark.slow
+def test_override_path_on_a_stock_recipe_trains_exactly_like_the_flag_path(runs):
+    flag, over = runs["agg"], runs["override"]
+    assert "AnisoChunkedLoss" in over["log"] and "AnisoHead" in over["log"]  # torchtitan logs the swaps
+    for name, value in flag["final_params"].items():
+        assert torch.equal(over["final_params"][name], value), name
+    for key, value in flag["aniso_state"]["agg"].items():
+        assert torch.equal(over["aniso_state"]["agg"][key], value), key
+
+
+@pytest.mark.slow
+def test_resume_from_checkpoint_is_exact(runs):
+    full, resumed = runs["agg"], runs["agg_resume"]
+    assert "Training starts at step 3" in resumed["log"]
+    for name, value in full["final_params"].items():
+        assert torch.equal(resumed["final_params"][name], value), name
+    for key, value in full["aniso_state"]["agg"].items():
+        assert torch.equal(resumed["aniso_state"]["agg"][key], value), key
+    assert resumed["tb"]["aniso/agg/rare_size"][4] == full["tb"]["aniso/agg/rare_size"][4]
+
+
+@pytest.mark.slow
+def test_stock_checkpoint_resumes_with_exclude_from_loading(runs):
+    record = runs["from_stock"]
+    assert "Training starts at step 3" in record["log"]
+    assert "no AGG state was restored" in record["log"]  # the counter starts empty, and says so
+    assert int(record["aniso_state"]["agg"]["step"][0]) == 3  # it counted steps 3 and 4 only
