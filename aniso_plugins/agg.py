@@ -94,8 +94,9 @@ def agg_gates(
         g1_k = a_k on V_r, 1 elsewhere,
         g2_k = min(a_k / (ā_r + ε/steps), 1) on V_r, 1 elsewhere,    ā_r = mean_{r∈V_r} a_r,
 
-    with ε = 1e-7: the official guard ``c_k / (c̄_r + 1e-7)`` on counts c = a·steps, so pass
-    ``steps = min(t, K)`` (`TokenCounter.steps_in_window`) to reproduce it exactly. An empty
+    with ε = 1e-7: the official guard ``c_k / (c̄_r + 1e-7)`` is on counts c = a·steps, so pass
+    ``steps = min(t, K)`` (`TokenCounter.steps_in_window`) for the same guard (equal up to
+    float32 rounding). Comparisons and gates are float32, as in the official code. An empty
     rare group gives all gates 1; a rare group that never occurred gives g2 = 0 on it.
 
     Ablations (seed §3 and Table 8-9; each leaves everything else unchanged):
@@ -129,7 +130,8 @@ def agg_gates(
     target = torch.where(rare, a, one) if "a" in parts else None
     if freeze_rare:
         zero = torch.zeros_like(a)
-        gate1, gate2, target = torch.where(rare, zero, gate1), torch.where(rare, zero, gate2), torch.where(rare, zero, one)
+        gate1, gate2 = torch.where(rare, zero, gate1), torch.where(rare, zero, gate2)
+        target = torch.where(rare, zero, one)
     return AGGGates(gate1, gate2, rare, target)
 
 
@@ -179,7 +181,12 @@ def _check_weight(weight: torch.Tensor, where: str) -> None:
 
 
 def check_inputs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, gates: AGGGates | None, ignore_index: int, where: str
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    gates: AGGGates | None,
+    ignore_index: int,
+    where: str,
 ) -> None:
     """Shape, dtype and range checks shared by `agg_linear` and the fused cross-entropy."""
     _check_weight(weight, where)

@@ -35,6 +35,15 @@ LOGIT_ELEMENTS = 1 << 22
 """Logit entries (tokens × V) materialised at a time by `gradient_bottleneck`."""
 
 
+def squared_row_norms(grad: torch.Tensor, block_rows: int = 1024) -> torch.Tensor:
+    """‖g_i‖² of every row of an (N, V) logit gradient, as float64: a vector norm accumulated in
+    float32 (float64 for float64 input; bf16/fp16 upcast one block of rows at a time), relative
+    error ~1e-6 at V = 50k, squared in float64."""
+    dtype = torch.promote_types(grad.dtype, torch.float32)
+    blocks = [torch.linalg.vector_norm(b, dim=1, dtype=dtype).to(torch.float64) for b in grad.split(block_rows)]
+    return torch.cat(blocks).square() if blocks else torch.zeros(0, dtype=torch.float64, device=grad.device)
+
+
 def bottleneck_stats(
     dh: torch.Tensor, grad_sq: torch.Tensor, gram: torch.Tensor, prefix: str = ""
 ) -> dict[str, Stat]:
@@ -139,7 +148,7 @@ def gradient_bottleneck(
     `LOGIT_ELEMENTS`; Gram and solve in float64."""
     dh, grad_sq = [], []
     for _, g in logit_gradients(hidden, weight, targets, ignore_index):
-        grad_sq.append(g.square().sum(1, dtype=torch.float64))
+        grad_sq.append(squared_row_norms(g))
         dh.append(g @ weight.detach().to(g.dtype))
     d = weight.shape[1]
     dh_all = torch.cat(dh) if dh else torch.zeros(0, d, dtype=torch.float64, device=weight.device)
@@ -173,4 +182,5 @@ __all__ = [
     "gradient_bottleneck",
     "logit_gradient_rank",
     "logit_gradients",
+    "squared_row_norms",
 ]

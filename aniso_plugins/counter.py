@@ -196,7 +196,8 @@ class TokenCounter:
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore `state_dict()` output; V and K must match this counter's."""
-        missing = {"step", "vocab_size", "window", "sizes", "ids", "counts", "current_ids", "current_counts"} - set(state)
+        keys = {"step", "vocab_size", "window", "sizes", "ids", "counts", "current_ids", "current_counts"}
+        missing = keys - set(state)
         if missing:
             raise ValueError(f"TokenCounter.load_state_dict: missing keys {sorted(missing)}")
         v, k = int(state["vocab_size"][0]), int(state["window"][0])
@@ -208,7 +209,9 @@ class TokenCounter:
         ids, counts = state["ids"].to(torch.int64), state["counts"].to(torch.int64)
         sizes = [int(s) for s in state["sizes"]]
         if sum(sizes) != ids.numel() or len(sizes) > k - 1:
-            raise ValueError(f"TokenCounter.load_state_dict: inconsistent sizes {sizes} for {ids.numel()} ids, window {k}")
+            raise ValueError(
+                f"TokenCounter.load_state_dict: inconsistent sizes {sizes} for {ids.numel()} ids, window {k}"
+            )
         self._t = int(state["step"][0])
         self._total = torch.zeros(self.vocab_size, dtype=torch.int64)
         self._ring = deque()

@@ -23,10 +23,10 @@ __all__ = ["agg_cross_entropy"]
 
 class _FusedAGGCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes):
+    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes, grad_enabled):
         compute, acc, _ = dtypes
         v, d = weight.shape
-        want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
+        want_dx, want_dw, want_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         with torch.autocast(hidden.device.type, enabled=False):
             X = hidden.reshape(-1, d)
             y = targets.reshape(-1)
@@ -94,10 +94,12 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         if ctx.grads is None:
-            raise RuntimeError("agg_cross_entropy: backward can run once per forward (the gradients are computed in forward)")
+            raise RuntimeError(
+                "agg_cross_entropy: backward can run once per forward (the gradients are computed in forward)"
+            )
         out = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
-        return (*out, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None)
 
 
 def agg_cross_entropy(
@@ -123,8 +125,8 @@ def agg_cross_entropy(
     or the plain one when `gates` is None (then this is an ordinary fused linear CE).
 
     Peak extra memory: about two logit chunks (chunk_size × V, float32) plus dW (V × d, in at
-    least float32) and dX; never N × V. The gradients are computed in the forward, so the
-    backward may run once. Under autocast the GEMMs run in the autocast dtype; the logits chunk,
+    least float32) and dX; never N × V. The gradients are computed in the forward (skipped when
+    grad mode is off, e.g. validation), so the backward may run once. Under autocast the GEMMs run in the autocast dtype; the logits chunk,
     its gradient and dW are float32. `weight` must be the full (V, d) tensor (under FSDP2 call
     it where the head parameter is unsharded).
     """
@@ -144,5 +146,5 @@ def agg_cross_entropy(
     targets = targets.to(hidden.device)
     dtypes = compute_dtypes(hidden, weight)
     return _FusedAGGCrossEntropy.apply(
-        hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes
+        hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes, torch.is_grad_enabled()
     )

@@ -135,6 +135,9 @@ class OutputEmbeddingsHandle(ModelHandle):
             configs.append(config.get_text_config())
         for cfg in configs:
             cfg.tie_word_embeddings = False
+        expand = getattr(self.model, "get_expanded_tied_weights_keys", None)
+        if callable(expand):  # transformers caches the tie mapping; init_weights() re-ties from it
+            self.model.all_tied_weights_keys = expand(all_submodels=True)
 
 
 def find_handle(

@@ -2,21 +2,22 @@
 `agg_linear` + CE vs the fused chunked `agg_cross_entropy`; and the token counter.
 
     python benchmarks/agg.py                       # N=4096, d=768, V=50304, fp32, 2 threads
-    python benchmarks/agg.py --tokens 512 --vocab 4096 --rounds 1 --counter-steps 50   # smoke run
+    python benchmarks/agg.py --tokens 512 --dim 64 --vocab 4096 --rounds 1 --counter-steps 30 \
+        --window 10 --counter-tokens 1000                                 # smoke run
 
-Method (performance.md §4, §6.2):
-- every (variant, round) runs in a fresh subprocess; rounds are interleaved over the variants,
-  so load from other processes on the machine hits all variants alike;
-- time: wall-clock forward+backward of one step, after one untimed step; reported as the
-  median and the minimum over all timed steps of all rounds;
-- memory: peak resident set size during the first step (``ru_maxrss`` after it) minus the
-  resident set size just before it (``/proc/self/statm``), so inputs, weights and imports are
-  excluded and the weight gradient, logits and temporaries are included; torch's CPU allocator
-  exposes no peak statistic and tracemalloc does not see torch allocations.
+Method (performance.md §4, §6.2; the machine is shared and loaded, so absolute seconds vary 2-4×):
+- memory: each variant in a fresh subprocess; peak resident set size during its first step
+  (``ru_maxrss`` after it) minus the resident set size just before it (``/proc/self/statm``), so
+  inputs, weights and imports are excluded and the weight gradient, logits and temporaries are
+  included (torch's CPU allocator exposes no peak statistic; tracemalloc does not see torch
+  allocations);
+- time: wall-clock forward+backward of one step, in one process holding the inputs, after one
+  untimed step per variant; every round runs each variant next to a plain step (alternating
+  which goes first) and records their ratio; reported: the median of these paired ratios, the
+  median and the minimum time;
 - gates: Zipf(1.2) targets and the appearance a_k of 32k-token steps (``--counter-tokens``) of
-  the same law, α = 0.03
-  ("typical": ≈43% of ids rare, ≈1.4% rare-target rows), and a worst case for the row groups
-  (half the rows have rare targets).
+  the same law, α = 0.03 ("typical": 44% of ids rare, 1.6% rare-target rows), and a worst case
+  for the row groups (half the rows have rare targets).
 """
 
 from __future__ import annotations
@@ -95,23 +96,53 @@ def _step(variant, x, w, y, gates, chunk):
     loss.backward()
 
 
-def worker(args) -> None:
-    torch.set_num_threads(args.threads)
+def _warm_up(args) -> None:
     tiny = argparse.Namespace(tokens=16, dim=4, vocab=64, counter_tokens=8)
-    _step(args.worker, *_inputs(tiny, worst=False), args.chunk)  # lazy imports before the baseline
-    x, w, y, gates = _inputs(args, worst=args.worker.endswith("_worst"))
+    for v in VARIANTS:  # lazy imports and first-call costs, before any measurement
+        _step(v, *_inputs(tiny, worst=v.endswith("_worst")), args.chunk)
+
+
+def memory_worker(args) -> None:
+    torch.set_num_threads(args.threads)
+    _warm_up(args)
+    x, w, y, gates = _inputs(args, worst=args.memory_worker.endswith("_worst"))
     before = _rss_bytes()
-    start = time.perf_counter()
-    _step(args.worker, x, w, y, gates, args.chunk)
-    first = time.perf_counter() - start
+    _step(args.memory_worker, x, w, y, gates, args.chunk)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    times = []
-    for _ in range(args.reps):
+    print(json.dumps({"peak": peak, "rare_rows": float(gates.rare[y].float().mean())}))
+
+
+def timing(args, variants: list[str]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Times per variant, and ratios to a plain step run right before or after it (paired)."""
+    torch.set_num_threads(args.threads)
+    _warm_up(args)
+    typical, worst = _inputs(args, worst=False), _inputs(args, worst=True)
+
+    def run(v: str) -> float:
+        x, w, y, gates = worst if v.endswith("_worst") else typical
         start = time.perf_counter()
-        _step(args.worker, x, w, y, gates, args.chunk)
-        times.append(time.perf_counter() - start)
-    rare_rows = float(gates.rare[y].float().mean())
-    print(json.dumps({"peak": peak, "times": times, "first": first, "rare_rows": rare_rows, "rare_ids": float(gates.rare.float().mean())}))
+        _step(v, x, w, y, gates, args.chunk)
+        return time.perf_counter() - start
+
+    for v in variants:  # untimed first step of each variant
+        run(v)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    ratios: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(args.rounds):
+        for v in variants:
+            if v == "plain":
+                continue
+            if r % 2:  # alternate which of the pair runs first
+                tv, tp = run(v), run("plain")
+            else:
+                tp, tv = run("plain"), run(v)
+            times[v].append(tv)
+            times["plain"].append(tp)
+            ratios[v].append(tv / tp)
+        done = ", ".join(f"{v} {ratios[v][-1]:.2f}" for v in variants if v != "plain")
+        print(f"round {r + 1}: {done}", file=sys.stderr, flush=True)
+    ratios["plain"] = [1.0]
+    return times, ratios
 
 
 def counter_benchmark(args) -> list[str]:
@@ -156,51 +187,54 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, default=1024, help="token rows per chunk of the fused op")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reps", type=int, default=1, help="timed steps per process, after the memory step")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs every variant next to plain)")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--window", type=int, default=5000)
     p.add_argument("--counter-tokens", type=int, default=32768)
     p.add_argument("--counter-steps", type=int, default=5200)
-    p.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    p.add_argument("--memory-worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        worker(args)
+    if args.memory_worker:
+        memory_worker(args)
         return
 
     variants = args.variants.split(",")
-    results = {v: [] for v in variants}
     base = [sys.executable, os.path.abspath(__file__)] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("tokens", "dim", "vocab", "threads", "chunk", "reps", "counter_tokens")
+        for k in ("tokens", "dim", "vocab", "threads", "chunk", "counter_tokens")
     ]
-    for r in range(args.rounds):
-        for v in variants:
-            out = subprocess.run(base + [f"--worker={v}"], capture_output=True, text=True, check=True)
-            results[v].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            print(f"round {r + 1} {v}: {results[v][-1]}", file=sys.stderr, flush=True)
+    memory = {}
+    for v in variants:
+        out = subprocess.run(base + [f"--memory-worker={v}"], capture_output=True, text=True, check=True)
+        memory[v] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"memory {v}: {memory[v]}", file=sys.stderr, flush=True)
+    if "plain" not in variants:
+        raise SystemExit("--variants must include plain (the baseline)")
+    times, ratios = timing(args, variants) if args.rounds else ({}, {})
 
-    def summary(v):
-        times = [t for res in results[v] for t in res["times"]]
-        return statistics.median(times), min(times), statistics.median(res["peak"] for res in results[v])
-
-    ref_med, ref_min, ref_mem = summary("plain") if "plain" in variants else (1.0, 1.0, 1.0)
     print(
         f"\nHead, N={args.tokens} tokens, d={args.dim}, V={args.vocab}, fp32 CPU, {args.threads} threads, "
-        f"chunk {args.chunk}; {args.rounds} rounds x {args.reps} timed step(s), one process each, interleaved\n"
+        f"fused chunks of {args.chunk} rows; {args.rounds} timed rounds\n"
     )
-    print("| variant | rare-target rows | time median (s) | x plain | time min (s) | x plain | peak extra MB | x plain |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| variant | rare-target rows | time x plain (median of paired ratios) | time median (s) | time min (s) "
+        "| peak extra MB | memory x plain |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    ref_mem = memory.get("plain", {"peak": 1})["peak"]
     for v in variants:
-        med, mn, mem = summary(v)
-        rr = results[v][0]["rare_rows"]
-        print(
-            f"| {v} | {rr:.1%} | {med:.2f} | {med / ref_med:.2f} | {mn:.2f} | {mn / ref_min:.2f} | "
-            f"{mem / 2**20:.0f} | {mem / ref_mem:.3f} |"
-        )
+        if times:
+            cells = f"{statistics.median(ratios[v]):.2f} | {statistics.median(times[v]):.2f} | {min(times[v]):.2f}"
+        else:
+            cells = "- | - | -"
+        mem = memory[v]["peak"]
+        print(f"| {v} | {memory[v]['rare_rows']:.1%} | {cells} | {mem / 2**20:.0f} | {mem / ref_mem:.3f} |")
     if args.counter_steps:
         print(f"\nToken counter, {args.counter_steps} steps (window full after {args.window})\n")
-        print("| targets | tokens/step | V | K | update+step ms (median) | appearance+gates ms | memory MiB | dense (K+1)xV fp32 MiB | ratio |")
+        print(
+            "| targets | tokens/step | V | K | update+step ms (median) | appearance+gates ms | memory MiB "
+            "| dense (K+1)xV fp32 MiB | ratio |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for line in counter_benchmark(args):
             print(line)

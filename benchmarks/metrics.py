@@ -1,6 +1,7 @@
 """Cost of the metrics on CPU, as ratios to a plain LM-head forward+backward measured in the
 same process (performance.md §6.2: min over --reps timed rounds after one warm-up round,
-cases interleaved within each round).
+cases interleaved within each round). Wall time and CPU time (all threads of this process) are
+both reported: on a shared machine the CPU-time ratios are the steadier.
 
 - baseline: ``F.cross_entropy(head(h), y)`` forward+backward, fp32, N tokens, V×d head;
 - one full geometry measurement of the head (`GeometryPlugin` through `AnisoPlugins.measure`:
@@ -33,10 +34,11 @@ class Head(nn.Module):
             self.lm_head.weight.normal_(0.0, 0.02).add_(0.01)
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
+def _timed(fn: Callable[[], None]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -66,7 +68,7 @@ def main() -> None:
     probed.lm_head.weight = model.lm_head.weight
     probe = AnisoPlugins(AnisoConfig(metrics=("bottleneck",), load_entry_points=False))
     probe.setup(ModelHandle(probed, head="lm_head"))
-    probe_parts: dict[str, list[float]] = {"probe: armed forward+backward": [], "probe: measurement": []}
+    probe_parts: dict[str, list[tuple[float, float]]] = {"probe: armed forward+backward": [], "probe: measurement": []}
 
     def probe_step() -> None:
         probe.targets(y, StepInfo(step=1, measure=True))
@@ -80,9 +82,9 @@ def main() -> None:
         "  spectrum (float64 Gram + eigh)": lambda: spectrum(weight),
         "  isotropy (Gram + eigh + V×d×d GEMM)": lambda: isotropy(weight),
         "  torch.linalg.svdvals (fp32, for scale)": lambda: torch.linalg.svdvals(weight.detach()),
-        "probe: probe step + measurement": probe_step,
+        "probe: armed step + measurement (total)": probe_step,
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for round_ in range(args.reps + 1):
         for name, fn in cases.items():
             elapsed = _timed(fn)
@@ -92,18 +94,19 @@ def main() -> None:
         del parts[0]  # the warm-up round
     times.update(probe_parts)
 
-    base = min(times["head forward+backward (baseline)"])
+    best = {name: (min(t[0] for t in v), min(t[1] for t in v)) for name, v in times.items()}
+    base = best["head forward+backward (baseline)"]
     print(
         f"V={args.vocab} d={args.hidden} N={args.tokens} threads={args.threads} torch {torch.__version__}, "
         f"min of {args.reps} after 1 warm-up"
     )
-    print(f"| {'case':<44} | {'seconds':>8} | {'/ baseline':>10} |")
-    print(f"|{'-' * 46}|{'-' * 10}|{'-' * 12}|")
-    for name, values in times.items():
-        best = min(values)
-        print(f"| {name:<44} | {best:8.3f} | {best / base:9.2f}x |")
-    overhead = (min(times["probe: armed forward+backward"]) + min(times["probe: measurement"])) / base - 1
-    print(f"probe overhead on the probed micro-batch (armed step + measurement) / baseline - 1: {100 * overhead:+.1f}%")
+    print(f"| {'case':<44} | wall s | wall / baseline |  CPU s | CPU / baseline |")
+    print(f"|{'-' * 46}|--------|-----------------|--------|----------------|")
+    for name, (wall, cpu) in best.items():
+        print(f"| {name:<44} | {wall:6.2f} | {wall / base[0]:14.2f}x | {cpu:6.2f} | {cpu / base[1]:13.2f}x |")
+    for i, kind in enumerate(("wall", "CPU")):
+        armed, measured = best["probe: armed forward+backward"][i], best["probe: measurement"][i]
+        print(f"probe overhead on the probed micro-batch, {kind}: {100 * ((armed + measured) / base[i] - 1):+.1f}%")
 
 
 if __name__ == "__main__":

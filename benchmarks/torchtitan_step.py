@@ -95,7 +95,7 @@ def main() -> None:
     tokens = 2 * args.batch * args.seq_len
     print(f"2 ranks (FSDP2 dp_shard=2, gloo), CPU, {args.threads} thread(s)/rank; llama3 debug model, {args.layers} layers, "
           f"d=256, V=2048; {tokens} tokens/step; median step of {args.steps - 2}, best of {args.rounds} rounds")  # fmt: skip
-    print(f"| variant | step time (s) | ratio to none |\n|---|---|---|")
+    print("| variant | step time (s) | ratio to none |\n|---|---|---|")
     for variant, values in medians.items():
         print(f"| {variant} | {min(values):.3f} | {min(values) / base:.3f} |")
 

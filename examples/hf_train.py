@@ -13,25 +13,15 @@ At the end it prints validation perplexity per frequency group, Uniq, I(W) and m
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import tempfile
 
 import torch
+from comparison import METHODS, print_table
 from corpus import train_valid
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
-
-METHODS = {
-    "mle": dict(method="none"),
-    "agg": dict(method="agg", alpha=0.03),
-    "cosreg": dict(method="cosreg", reg_weight=1.0),
-    "hinge": dict(method="hinge", reg_weight=1e-3, hinge_margin=0.5, hinge_sample=256),
-    "spectrum": dict(method="spectrum", reg_weight=0.1, spectrum_prior="poly"),
-    "lowrank": dict(head="lowrank", lowrank_rank=16),
-}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -71,21 +61,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model=model, args=args, train_dataset=train_ds, eval_dataset=valid_ds, callbacks=[AnisoCallback(config)]
     )
     trainer.train()
-    metrics = trainer.evaluate()
-    print_table(a.method, metrics, vocab, len(train_ds) * a.block)
+    metrics = final_table(trainer, trainer.evaluate())
+    print_table(f"{a.method}: vocabulary {vocab}, {len(train_ds) * a.block} training tokens", metrics, "eval_")
     return metrics
 
 
-def print_table(method: str, metrics: dict[str, float], vocab: int, tokens: int) -> None:
-    """The comparison table: validation perplexity per frequency group, Uniq, I(W), mean cosine."""
-    print(f"\n{method}: vocabulary {vocab}, {tokens} training tokens")
-    rows = [(k, v) for k, v in sorted(metrics.items()) if k.startswith("eval_aniso/") or k == "eval_loss"]
-    rows.append(("validation perplexity", math.exp(metrics["eval_loss"])))
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v:.4g}")
+def final_table(trainer: Trainer, eval_metrics: dict[str, float]) -> dict[str, float]:
+    """The example's result: evaluation metrics plus the last logged geometry."""
+    last = {}
+    for row in trainer.state.log_history:
+        last.update({k: v for k, v in row.items() if k.startswith("aniso/")})
+    return {**last, **eval_metrics}
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

@@ -11,13 +11,12 @@ PyTorch model, so it shows the callback's knobs for models without the transform
 from __future__ import annotations
 
 import argparse
-import math
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from comparison import METHODS, print_table
 from corpus import train_valid
-from hf_train import METHODS
 from torch import nn
 
 from aniso_plugins import AnisoConfig
@@ -98,13 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     module = LitCausalLM(vocab, a.d_model, a.layers, a.block, lr=3e-3, steps=a.steps)
     trainer.fit(module, train, valid)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val_", "aniso/"))}
-    print(f"\n{a.method}: vocabulary {vocab}, {len(train_ds) * a.block} training tokens")
-    rows = sorted(k for k in metrics if k.startswith("val_"))
-    width = max(len(k) for k in rows + ["validation perplexity"])
-    for k in rows:
-        print(f"  {k:<{width}}  {metrics[k]:.4g}")
-    print(f"  {'validation perplexity':<{width}}  {math.exp(metrics['val_loss']):.4g}")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    print_table(f"{a.method}: vocabulary {vocab}, {len(train_ds) * a.block} training tokens", metrics, "val_")
     return metrics
 
 

@@ -15,7 +15,7 @@ Two ways to turn aniso_plugins on (shared/docs/torchtitan.md §2.3-2.4, §7.2):
 
 2. Overrides on a stock recipe (``--module llama3 --config llama3_8b``)::
 
-       --override.imports aniso_plugins.integrations.torchtitan.aniso_head,\\
+       --training.disable_cuda_graphs --override.imports aniso_plugins.integrations.torchtitan.aniso_head,\\
        aniso_plugins.integrations.torchtitan.aniso_metrics,\\
        aniso_plugins.integrations.torchtitan.aniso_checkpoint \\
        'aniso_plugins.integrations.torchtitan.aniso_loss={"method": "agg", "window": 1000}'
@@ -34,14 +34,17 @@ the LM head once per sequence chunk):
   arms `AnisoHead` and calls it once on the micro-batch's hidden states: the head returns the
   core's fused chunked AGG cross-entropy (`aniso_plugins.agg_cross_entropy`, chunks of
   ``agg_chunk_size`` rows, normalized by torchtitan's ``global_valid_tokens``), never the full
-  logits. Otherwise it is torchtitan's own chunked loss, unchanged. Validation calls (no
-  ``global_valid_tokens``) are torchtitan's loss, untouched: no counting, no loss terms.
+  logits (``agg_fused=False``: the core's gated head `aniso_plugins.agg_linear` on each of
+  torchtitan's logit chunks). Otherwise it is torchtitan's own chunked loss, unchanged.
+  Validation calls (no ``global_valid_tokens``) are torchtitan's loss, untouched: no counting,
+  no loss terms; with ``eval`` metrics each chunk's logits feed ``aniso_eval_batch``.
 - Loss terms (CosReg, hinge, spectrum) are attached by the session in the head's forward, once
   per optimizer step. torchtitan SUMS gradients over data-parallel ranks, so every rank adds
   the (identical, global) term with weight 1/dp (``TrainingSession(loss_scale=1/dp)``).
 - After each optimizer step (an optimizer step post-hook) the session advances its counters
   and, at measurement steps, measures (collective, every rank); `AnisoMetricsProcessor` adds
-  the ``aniso/...`` values to torchtitan's own log record (TensorBoard / W&B) at that step.
+  the ``aniso/...`` values to torchtitan's own log record (TensorBoard / W&B) at that step, and
+  the evaluation metrics to the validation record (``validation_metrics/aniso/...``).
 - The plugin state is a DCP ``Stateful`` at ``checkpointer.states["aniso"]`` (identical on every
   rank). A checkpoint written without it (stock torchtitan, or before aniso_plugins was
   enabled) resumes with ``--checkpoint.exclude_from_loading aniso`` (the counters start empty).

@@ -5,7 +5,6 @@ import json
 import os
 import sys
 
-import torch
 from transformers import Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig

@@ -197,10 +197,8 @@ def test_all_gates_one_is_plain_cross_entropy():
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
 
 
-def per_part_gradients(h, W, y):
-    """Softmax-side dL/dW split by methods.md §0 for every id k (float64): (a) own target rows,
-    (b) rows whose target is not rare, (c) rows whose target is another rare id; mean over
-    non-ignored rows. Returned for a given rare set later; here the per-row pieces."""
+def softmax_rows(h, W, y):
+    """The non-ignored rows in float64: softmax p, hidden x, targets t, and their count."""
     valid = y != IGN
     h, y = h[valid].double(), y[valid]
     p = torch.softmax(h @ W.double().T, dim=1)
@@ -228,13 +226,15 @@ def test_ablations_gate_exactly_their_parts(ablation):
     hp = h.clone().requires_grad_(True)
     dh, dW = grads(F.cross_entropy(agg_linear(hp, Wp, y, gates), y, ignore_index=IGN), hp, Wp)
 
-    p, x, t, n = per_part_gradients(h, W, y)
+    p, x, t, n = softmax_rows(h, W, y)
     a64 = a.double()
     rare = a64 < alpha
     mean_rare = a64[rare].mean()
-    g1 = a64 if ablation.get("g1", True) and "b" in ablation.get("parts", ("b", "c")) else torch.ones_like(a64)
-    g2 = (a64 / (mean_rare + 1e-7)).clamp(max=1) if ablation.get("g2", True) and "c" in ablation.get("parts", ("b", "c")) else torch.ones_like(a64)
-    ga = a64 if "a" in ablation.get("parts", ()) else torch.ones_like(a64)
+    parts = ablation.get("parts", ("b", "c"))
+    ones = torch.ones_like(a64)
+    g1 = a64 if ablation.get("g1", True) and "b" in parts else ones
+    g2 = (a64 / (mean_rare + 1e-7)).clamp(max=1) if ablation.get("g2", True) and "c" in parts else ones
+    ga = a64 if "a" in parts else ones
     if ablation.get("freeze_rare"):
         g1, g2, ga = torch.zeros_like(a64), torch.zeros_like(a64), torch.zeros_like(a64)
     expected = torch.zeros_like(W)
@@ -300,9 +300,9 @@ def test_tied_embedding_gates_only_the_output_side():
     for g, r in zip(got, ref):
         assert rel_err(g, r) < 1e-12
     # the input-lookup part of the tied gradient is ungated: removing it leaves the gated head part
-    h = model.body(ids)
-    (head_only,) = grads(F.cross_entropy(agg_linear(h.detach(), model.lm_head.weight, y, gates), y, ignore_index=IGN), model.embed.weight)
-    (lookup_only,) = grads(F.cross_entropy(F.linear(h, model.lm_head.weight.detach()), y, ignore_index=IGN), model.embed.weight)
+    h, w = model.body(ids), model.lm_head.weight
+    (head_only,) = grads(F.cross_entropy(agg_linear(h.detach(), w, y, gates), y, ignore_index=IGN), w)
+    (lookup_only,) = grads(F.cross_entropy(F.linear(h, w.detach()), y, ignore_index=IGN), w)
     assert rel_err(got[0], head_only + lookup_only) < 1e-12
 
 
@@ -384,6 +384,8 @@ def test_fused_all_ignored_gives_zero_and_errors():
         agg_cross_entropy(h, W, y, normalizer=3.0)
     with pytest.raises(ValueError, match="chunk_size=0"):
         agg_cross_entropy(h, W, y, chunk_size=0)
+    with torch.no_grad():  # validation: loss only
+        torch.testing.assert_close(agg_cross_entropy(h, W, y), F.cross_entropy(F.linear(h, W), y, ignore_index=IGN))
     loss = agg_cross_entropy(h, W, y)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once"):

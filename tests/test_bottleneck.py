@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from aniso_plugins import bottleneck_finish, bottleneck_stats, gradient_bottleneck, logit_gradient_rank
+from aniso_plugins.bottleneck import squared_row_norms
 
 IGNORE = -100
 
@@ -116,6 +117,15 @@ def test_float32_inputs():
     ref = ref_bottleneck(h.float().double().numpy(), w.float().double().numpy(), y.numpy())
     for name, value in ref.items():
         assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_squared_row_norms(dtype):
+    g = torch.randn(2500, 3000, dtype=torch.float64).to(dtype)
+    ref = (g.double().numpy() ** 2).sum(1)
+    got = squared_row_norms(g, block_rows=1000)
+    assert got.dtype == torch.float64 and got.shape == (2500,)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-12 if dtype == torch.float64 else 2e-6)
 
 
 def test_no_valid_positions_gives_nan():

@@ -190,6 +190,19 @@ def test_isotropy_matches_explicit_partition_function(kind, center):
     assert close(isotropy(w, center=center, both_signs=True), ref, rtol=1e-8)
 
 
+def test_isotropy_does_not_depend_on_the_solver_signs(monkeypatch):
+    w = make_matrix("anisotropic")
+    expected = isotropy(w), isotropy(w, center=True)
+    eigh = torch.linalg.eigh
+
+    def flipped(matrix):  # a solver returning every eigenvector with the other sign
+        lam, vec = eigh(matrix)
+        return lam, -vec
+
+    monkeypatch.setattr(torch.linalg, "eigh", flipped)
+    assert (isotropy(w), isotropy(w, center=True)) == expected
+
+
 def test_isotropy_sign_convention_and_orderings():
     w = make_matrix("anisotropic")
     one_sign, both = isotropy(w), isotropy(w, both_signs=True)
@@ -199,8 +212,7 @@ def test_isotropy_sign_convention_and_orderings():
     # a small isotropic cloud: Z(a) ≈ V for every a, I ≈ 1
     small = 0.01 * torch.randn(4000, 8, dtype=torch.float64)
     assert isotropy(small) > 0.99
-    # the result does not depend on the solver's signs: flipping a column of W (a reflection)
-    # reflects the eigenvector, and the convention picks the same orientation relative to W
+    # the ±a variant is sign-free: invariant under a reflection of a coordinate
     reflected = w * torch.tensor([1, -1, 1, 1, 1, 1], dtype=torch.float64)
     assert close(isotropy(reflected, both_signs=True), both, rtol=1e-9)
 

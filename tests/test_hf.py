@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig, SetupError
@@ -140,8 +139,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
     # the counter was restored, not restarted: same state as the straight run
-    s1, s2 = straight.callback_handler.callbacks, resumed.callback_handler.callbacks
-    a = [c for c in s1 if isinstance(c, AnisoCallback)][0].session.plugins.state_dict()
+    a = next(c for c in straight.callback_handler.callbacks if isinstance(c, AnisoCallback)).session.plugins.state_dict()
     b = cb.session.plugins.state_dict()
     for ns in a:
         for k in a[ns]:

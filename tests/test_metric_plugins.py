@@ -307,6 +307,22 @@ def test_hidden_states_only_on_measurement_micro_batches_and_bounded_sample():
     plugins.targets(batch(9)[1], StepInfo(step=5, measure=True))
     model(batch(9)[0])
     assert [float(plugin._stats[i]["hidden/layer_%d/nonzero" % i].value) for i in range(LAYERS)] == [4.0, 4.0]
+    # targets that do not match the block outputs' positions: every position is a candidate
+    wide = AnisoPlugins(AnisoConfig(metrics=("hidden",), hidden_samples=1000, load_entry_points=False))
+    wide.setup(handle(model))
+    ids, y = batch(9)
+    wide.targets(y[:, :-1], StepInfo(step=1, measure=True))
+    model(ids)
+    assert float(wide.get("hidden")._stats[0]["hidden/layer_0/nonzero"].value) == ids.numel()
+
+
+def test_bottleneck_records_nothing_without_a_head_input_gradient():
+    model = TinyLM().double()
+    for module in (model.embed, model.blocks, model.norm):
+        module.requires_grad_(False)
+    plugins = AnisoPlugins(config(metrics=("bottleneck",)))
+    plugins.setup(handle(model))
+    assert train(plugins, model, steps=1)[1] == {}
 
 
 def test_counters_are_checkpointed(tmp_path):

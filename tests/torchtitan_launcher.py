@@ -15,7 +15,8 @@ this launcher applies the three patches that make it run:
    SDPA (plain causal attention; every test document is exactly one sample, so the document
    mask would change nothing).
 
-The test recipes (`cpu_stock`, `cpu_aniso`) shrink llama3's debug model (2 layers) for speed.
+The test recipes (`cpu_stock`, `cpu_aniso`) shrink llama3's debug model (2 layers) for speed;
+`cpu_aniso_6_layers` keeps its 6 layers (benchmarks/torchtitan_step.py).
 With ``ANISO_TT_DUMP=<file>`` the launcher also records, for the tests, the step-1 gradients,
 parameters, LM-head inputs and labels (before the optimizer step) and, after training, the
 final parameters and the aniso plugin state (``torch.save`` of plain tensors, rank 0).
@@ -182,7 +183,6 @@ def _install_recorder(path: str) -> None:
     def recording_forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.step == 1:
             record["labels"].append(labels.detach().cpu().clone())
-            record["global_valid_tokens"] = int(global_valid_tokens)
         return forward_backward_step(
             self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )

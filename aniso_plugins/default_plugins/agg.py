@@ -165,7 +165,9 @@ class AGGPlugin:
             )
         bad = [i for i in self.config.special_ids if i >= self.vocab_size]
         if bad:
-            raise ConfigError(f"special_ids={self.config.special_ids!r}: ids {bad} are >= the vocabulary size {self.vocab_size}")
+            raise ConfigError(
+                f"special_ids={self.config.special_ids!r}: ids {bad} are >= the vocabulary size {self.vocab_size}"
+            )
         self.counter = TokenCounter(
             self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index
         )

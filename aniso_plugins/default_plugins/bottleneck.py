@@ -9,8 +9,8 @@ record, without changing any value or gradient:
   that view receives the head's own contribution dh_i = c·Wᵀg_i (even if h feeds other modules);
 - forward hook: this rank's rows of the weight the head used give a local d×d Gram (summed
   across ranks at the measurement: the full WᵀW of the pre-step head, also under FSDP2);
-- tensor hook on the logits: ‖c·g_i‖² per position (float64; positions without a loss have
-  g_i = 0 and are skipped);
+- tensor hook on the logits: ‖c·g_i‖² per position (`squared_row_norms`; positions without a
+  loss have g_i = 0 and are skipped);
 - tensor hook on the input view: dh_i, kept (float32, or float64 if the gradient is) until the
   measurement.
 
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..bottleneck import bottleneck_finish, bottleneck_stats
+from ..bottleneck import bottleneck_finish, bottleneck_stats, squared_row_norms
 from ..config import AnisoConfig
 from ..distributed import local_rows
 from ..hookspecs import hookimpl
@@ -91,9 +91,7 @@ class BottleneckPlugin:
         hidden.register_hook(self._on_input_grad)
 
     def _on_logits_grad(self, grad: torch.Tensor) -> None:
-        g = grad.detach().reshape(-1, grad.shape[-1])
-        dtype = torch.promote_types(g.dtype, torch.float32)
-        self._grad_sq = torch.cat([b.to(dtype).square().sum(1, dtype=torch.float64) for b in g.split(256)])
+        self._grad_sq = squared_row_norms(grad.detach().reshape(-1, grad.shape[-1]))
 
     def _on_input_grad(self, grad: torch.Tensor) -> None:
         dh = grad.detach().reshape(-1, grad.shape[-1])

@@ -96,8 +96,10 @@ class HiddenStatesPlugin:
     def aniso_metric_stats(
         self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, Stat] | None:
-        if kind != "train" or self.model is None or "hidden/layer_0/nonzero" in reduced:
+        if kind != "train" or "hidden/layer_0/nonzero" in reduced:
             return None
+        if self.model is None:
+            raise RuntimeError("HiddenStatesPlugin: aniso_setup(model, config) must run first")
         stats: dict[str, Stat] = {}
         device = self.model.head().weight.device
         for i in range(len(self.handles)):

@@ -1,0 +1,38 @@
+"""What the examples compare: the methods (one `AnisoConfig` each) and the result table."""
+
+from __future__ import annotations
+
+METHODS: dict[str, dict] = {
+    "mle": dict(method="none"),
+    "agg": dict(method="agg", alpha=0.03),
+    "cosreg": dict(method="cosreg", reg_weight=1.0),
+    "hinge": dict(method="hinge", reg_weight=1.0, hinge_margin=0.5, hinge_sample=256),
+    "spectrum": dict(method="spectrum", reg_weight=0.1, spectrum_prior="poly"),
+    "lowrank": dict(head="lowrank", lowrank_rank=16),
+}
+
+# (label, metric name, measured on the validation set?)
+TABLE = [
+    ("validation perplexity", "aniso/eval/ppl", True),
+    ("  frequent tokens", "aniso/eval/ppl_frequent", True),
+    ("  medium tokens", "aniso/eval/ppl_medium", True),
+    ("  rare tokens", "aniso/eval/ppl_rare", True),
+    ("Uniq (distinct argmax predictions)", "aniso/eval/uniq", True),
+    ("I(W) of the head (raw, Wang et al.)", "aniso/geometry/head/isotropy", False),
+    ("I(W) of the head (centered)", "aniso/geometry/head/isotropy_centered", False),
+    ("I(W) of the rare group", "aniso/frequency/rare/isotropy", False),
+    ("mean cosine of the head's rows", "aniso/geometry/head/mean_cosine", False),
+    ("mean cosine rare vs frequent rows", "aniso/frequency/rare_frequent_cosine", False),
+]
+
+
+def print_table(title: str, metrics: dict[str, float], eval_prefix: str) -> dict[str, float]:
+    """Print the comparison table from `metrics` (validation metrics under `eval_prefix`,
+    e.g. "eval_" for the HF Trainer, "val_" for Lightning); returns the rows printed."""
+    rows = {label: metrics[(eval_prefix if is_eval else "") + key] for label, key, is_eval in TABLE
+            if (eval_prefix if is_eval else "") + key in metrics}
+    print(f"\n{title}")
+    width = max(len(label) for label, _, _ in TABLE)
+    for label, value in rows.items():
+        print(f"  {label:<{width}}  {value:.4g}")
+    return rows
