@@ -60,7 +60,9 @@ class AnisoConfig:
     """Gradient parts of a rare row to gate (methods.md §0): (a) own contexts, (b) non-rare
     targets, (c) other rare targets. Default ("b", "c") is the official AGG."""
     agg_fused: bool = False
-    """Own the loss with the fused chunked AGG cross-entropy (no full logits) where the adapter can."""
+    """Run AGG as the fused chunked AGG cross-entropy (no full logits) instead of the gated head:
+    only adapters that own the loss can (torchtitan, where it is the default); the HF and
+    Lightning adapters refuse it."""
     agg_chunk_size: int = 1024
     """Token rows per chunk of the fused AGG cross-entropy."""
 

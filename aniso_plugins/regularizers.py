@@ -129,7 +129,17 @@ def cosreg(weight: torch.Tensor, exclude_ids: Sequence[int] = ()) -> torch.Tenso
         return (total.dot(total) - n) / n.clamp_min(1.0).square()
 
 
-class _HingeExact(torch.autograd.Function):
+class _GradientInForward(torch.autograd.Function):
+    """A scalar whose gradient w.r.t. the first input is computed (and saved) in forward; the
+    other seven inputs get none. Backward scales the saved gradient by the upstream one."""
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None, None
+
+
+class _HingeExact(_GradientInForward):
     """Σ_{i local} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ) over all ranks, times `scale`, with the gradient
     2·M·Û (M = 1[cos > γ], symmetric) accumulated in the forward, block by block."""
 
@@ -159,10 +169,6 @@ class _HingeExact(torch.autograd.Function):
             ctx.save_for_backward(grad.mul_(scale))
         return value * scale
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def _column_block(
@@ -186,7 +192,7 @@ def _column_block(
     return torch.cat(gathered), torch.cat(ids)
 
 
-class _HingeSampled(torch.autograd.Function):
+class _HingeSampled(_GradientInForward):
     """Σ_{i∈S} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ), times `scale`; gradient Mᵀ Û_S on every row j plus
     M Û on the sampled rows i (M = 1[cos > γ], S × V), accumulated in the forward."""
 
@@ -226,10 +232,6 @@ class _HingeSampled(torch.autograd.Function):
             ctx.save_for_backward(grad.mul_(scale))
         return value * scale
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None, None
 
 
 def cosine_hinge(

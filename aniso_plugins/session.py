@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .config import AnisoConfig
+from .config import AnisoConfig, ConfigError
 from .model import ModelHandle
 from .plugins import AnisoPlugins
 from .state import check_compatible
@@ -43,9 +43,22 @@ class TrainingSession:
     loss_scale: the gradient weight of the loss terms, chosen by the adapter for its
         trainer's data-parallel reduction (1 when gradients are averaged over ranks, as in
         DDP and FSDP2 defaults; 1/world when they are summed, as in torchtitan).
+    owns_loss: whether the adapter computes the loss itself and can run the fused AGG
+        cross-entropy (``config.agg_fused``); others refuse that setting at construction.
     """
 
-    def __init__(self, config: AnisoConfig | None = None, plugins: Iterable[object] = (), loss_scale: float = 1.0):
+    def __init__(
+        self,
+        config: AnisoConfig | None = None,
+        plugins: Iterable[object] = (),
+        loss_scale: float = 1.0,
+        owns_loss: bool = False,
+    ):
+        if config is not None and config.method == "agg" and config.agg_fused and not owns_loss:
+            raise ConfigError(
+                "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
+                "run (it does in the torchtitan adapter); AGG runs as the gated LM head here: agg_fused=False"
+            )
         self.plugins = AnisoPlugins(config, plugins)
         self.config = self.plugins.config
         self.loss_scale = loss_scale

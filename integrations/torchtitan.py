@@ -376,15 +376,12 @@ class AnisoRuntime:
             )
         dp = _data_parallel_degree(trainer.parallel_dims)
         self.trainer = trainer
-        self.session = TrainingSession(config, loss_scale=1.0 / dp)
+        self.session = TrainingSession(config, loss_scale=1.0 / dp, owns_loss=True)
         self.session.setup(TitanModelHandle(model))
         self._agg = self.session.plugins.get("agg")
-        # The AGG plugin's in-place gated forward (aniso_plugins.AGGHead), armed per chunk when unfused.
+        # Unfused: the AGG plugin's in-place gated forward (aniso_plugins.AGGHead), armed per chunk;
+        # fused: AnisoHead's own forward with the plugin's gates (the plugin installs no head).
         self.agg_head = None if self._agg is None else self._agg.head
-        if self._agg is not None and config.agg_fused:
-            # The fused path runs AnisoHead's own forward; the plugin's gated forward (which
-            # would return the micro-batch's full logits) comes off, its gates are still read.
-            self.agg_head.remove()
         # Validation batches are fed to the plugins only if one of them evaluates (``eval`` metrics).
         self.evaluates = bool(self.session.plugins.pm.hook.aniso_eval_batch.get_hookimpls())
         self.metrics = trainer.metrics_processor

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from aniso_plugins import AnisoConfig, SetupError
+from aniso_plugins import AnisoConfig, ConfigError, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 from references import agg_output_grad
 from hf_utils import VOCAB, ForwardCapture, GradCapture, TokenDataset, tiny_gpt2, tiny_llama
@@ -169,6 +169,8 @@ def test_errors_before_any_step(tmp_path):
             args=TrainingArguments(output_dir=str(tmp_path), **QUIET),
             callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False))],
         )
+    with pytest.raises(ConfigError, match="agg_fused=True"):
+        AnisoCallback(AnisoConfig(method="agg", agg_fused=True, metrics=(), load_entry_points=False))
     with pytest.raises(SetupError, match="use_liger_kernel"):
         make_trainer(tmp_path, AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
 

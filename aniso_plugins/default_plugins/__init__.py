@@ -25,12 +25,18 @@ def aniso_make_plugins(config: AnisoConfig) -> list[object]:
         from .regularizers import RegularizerPlugin
 
         plugins.append(RegularizerPlugin(config))
+    counts = None
+    if {"frequency", "eval"} & set(config.metrics):  # one shared counter of training targets
+        from .target_counts import TargetCountsPlugin
+
+        counts = TargetCountsPlugin()
+        plugins.append(counts)
     for metric in config.metrics:
-        plugins.append(_metric_plugin(metric, config))
+        plugins.append(_metric_plugin(metric, config, counts))
     return plugins
 
 
-def _metric_plugin(metric: str, config: AnisoConfig) -> object:
+def _metric_plugin(metric: str, config: AnisoConfig, counts: object) -> object:
     if metric == "geometry":
         from .geometry import GeometryPlugin
 
@@ -38,7 +44,7 @@ def _metric_plugin(metric: str, config: AnisoConfig) -> object:
     if metric == "frequency":
         from .frequency import FrequencyGroupsPlugin
 
-        return FrequencyGroupsPlugin(config)
+        return FrequencyGroupsPlugin(config, counts)
     if metric == "hidden":
         from .hidden import HiddenStatesPlugin
 
@@ -49,4 +55,4 @@ def _metric_plugin(metric: str, config: AnisoConfig) -> object:
         return BottleneckPlugin(config)
     from .evaluation import EvalPlugin
 
-    return EvalPlugin(config)
+    return EvalPlugin(config, counts)

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from ..agg import AGGGates, AGGHead, agg_gates
-from ..fused_ce import agg_cross_entropy
 from ..config import AnisoConfig, ConfigError
 from ..counter import TokenCounter
 from ..distributed import is_distributed
@@ -36,6 +35,9 @@ class AGGPlugin:
     epoch of optimizer steps), else a `ConfigError` at the first training micro-batch.
     `process_group`: the data-parallel group whose ranks' counts are summed (default: the world);
     an adapter with tensor or pipeline parallel ranks that see the same targets sets it.
+
+    Adapters read `head` (the `AGGHead`; an adapter that owns the loss removes it) and
+    `last_gates` (the gates of the latest micro-batch, for `aniso_plugins.agg_cross_entropy`).
     """
 
     name = "agg"
@@ -55,7 +57,9 @@ class AGGPlugin:
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
         self.vocab_size = model.vocab_size
-        self.head = AGGHead(model.head(), ignore_index=config.ignore_index)
+        # With agg_fused the adapter owns the loss (the fused AGG cross-entropy) and reads
+        # `last_gates`; otherwise the head itself gates (agg_linear).
+        self.head = None if config.agg_fused else AGGHead(model.head(), ignore_index=config.ignore_index)
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
@@ -71,7 +75,8 @@ class AGGPlugin:
         counter.update(targets, all_reduce=is_distributed(), group=self.process_group)
         gates = self._gates(counter)
         self.last_gates = gates
-        self.head.arm(targets, gates)
+        if self.head is not None:
+            self.head.arm(targets, gates)
 
     @hookimpl
     def aniso_step_end(self, step: StepInfo) -> None:
@@ -120,42 +125,11 @@ class AGGPlugin:
         if self.counter is not None:
             self._apply_state()
 
-    # --- for adapters that own the loss (config.agg_fused) ------------------------------------
-    def cross_entropy(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        targets: torch.Tensor,
-        *,
-        bias: torch.Tensor | None = None,
-        reduction: str = "mean",
-        normalizer: float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The fused AGG cross-entropy (`aniso_plugins.agg_cross_entropy`) of this micro-batch,
-        with the gates computed in its `aniso_targets` call, ``config.ignore_index`` and
-        ``config.agg_chunk_size``; the head's armed forward is dropped (the loss replaces it).
-        torchtitan: ``reduction="sum", normalizer=global_valid_tokens``."""
-        if self.last_gates is None:
-            raise RuntimeError("AGG: cross_entropy before aniso_targets for this micro-batch (no gates yet)")
-        if self.head is not None:
-            self.head.disarm()
-        return agg_cross_entropy(
-            hidden,
-            weight,
-            targets,
-            self.last_gates,
-            bias=bias,
-            ignore_index=self.config.ignore_index,
-            reduction=reduction,
-            normalizer=normalizer,
-            chunk_size=self.config.agg_chunk_size,
-        )
-
     # --- internals ------------------------------------------------------------------------------
     def _counter(self, step: StepInfo) -> TokenCounter:
         if self.counter is not None:
             return self.counter
-        if self.head is None:
+        if self.vocab_size is None:
             raise RuntimeError("AGG: aniso_targets before aniso_setup (the adapter must call AnisoPlugins.setup first)")
         window = self.config.window or step.epoch_steps
         if window is None:

@@ -8,8 +8,8 @@ Over the positions of the evaluation batches whose target is not ``config.ignore
 - ``eval/uniq`` = number of distinct argmax next-token predictions; ``eval/uniq_<group>`` the
   number of those predicted ids that belong to the group (the union over ranks, not a sum).
 
-Groups (rare / medium / frequent) come from `frequency.frequency_groups` over this plugin's own
-`frequency.TargetCounter` of training targets, applied when the measurement is finished.
+Groups (rare / medium / frequent) come from `frequency.frequency_groups` over the shared counts
+of training targets (`TargetCountsPlugin`), applied when the measurement is finished.
 Uniq depends on segment length, split and vocabulary: not comparable across papers (§6).
 """
 
@@ -22,10 +22,10 @@ import torch
 
 from ..config import AnisoConfig
 from ..hookspecs import hookimpl
-from ..model import ModelHandle
 from ..reduce import Stat
 from ..steps import StepInfo
-from .frequency import GROUPS, TargetCounter, frequency_groups
+from .frequency import GROUPS, frequency_groups
+from .target_counts import TargetCountsPlugin
 
 ROWS_PER_CHUNK = 1024
 """Positions whose logits are upcast (to float32; float64 logits stay float64) at a time."""
@@ -34,43 +34,26 @@ ROWS_PER_CHUNK = 1024
 class EvalPlugin:
     """Accumulates per-target-id NLL sums and counts and the set of argmax predictions over the
     evaluation batches (`aniso_eval_batch`), finishes them at ``aniso_metrics(kind="eval")`` and
-    resets. State: its target counts, namespace "eval"."""
+    resets."""
 
     name = "eval"
 
-    def __init__(self, config: AnisoConfig) -> None:
+    def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
         self.config = config
-        self.counter: TargetCounter | None = None
+        self.counts = counts
         self._nll: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None
         self._predicted: torch.Tensor | None = None
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        self.counter = TargetCounter(model.vocab_size, config.ignore_index)
-
-    def _ready(self) -> TargetCounter:
-        if self.counter is None:
-            raise RuntimeError("EvalPlugin: aniso_setup(model, config) must run first")
-        return self.counter
-
-    @hookimpl
-    def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
-        self._ready().add(targets)
-
-    @hookimpl
-    def aniso_step_end(self, step: StepInfo) -> None:
-        self._ready().sync()
-
     def _reset(self, device: torch.device) -> None:
-        v = self._ready().vocab_size
+        v = self.counts.ready().vocab_size
         self._nll = torch.zeros(v, dtype=torch.float64, device=device)
         self._tokens = torch.zeros(v, dtype=torch.float64, device=device)
         self._predicted = torch.zeros(v, dtype=torch.bool, device=device)
 
     @hookimpl
     def aniso_eval_batch(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        v = self._ready().vocab_size
+        v = self.counts.ready().vocab_size
         if logits.shape[-1] != v or targets.shape != logits.shape[:-1]:
             raise ValueError(
                 f"EvalPlugin: expected logits (..., T, {v}) and targets (..., T), got logits "
@@ -99,7 +82,7 @@ class EvalPlugin:
         if kind != "eval" or "eval/nll" in reduced:
             return None
         if self._nll is None:
-            self._reset(self._ready().counts.device)
+            self._reset(self.counts.ready().counts.device)
         return {
             "eval/nll": Stat(self._nll),
             "eval/tokens": Stat(self._tokens),
@@ -113,7 +96,7 @@ class EvalPlugin:
         if kind != "eval" or "eval/nll" not in reduced:
             return None
         nll, tokens, predicted = reduced["eval/nll"], reduced["eval/tokens"], reduced["eval/predicted"]
-        groups = frequency_groups(self._ready().counts, self.config.group_fractions).to(nll.device)
+        groups = frequency_groups(self.counts.ready().counts, self.config.group_fractions).to(nll.device)
         out = {"eval/ppl": _perplexity(nll.sum(), tokens.sum()), "eval/uniq": float(predicted.sum())}
         for index, group in enumerate(GROUPS):
             member = groups == index
@@ -121,15 +104,6 @@ class EvalPlugin:
             out[f"eval/uniq_{group}"] = float((predicted & member).sum())
         self._nll = self._tokens = self._predicted = None
         return out
-
-    @hookimpl
-    def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        return None if self.counter is None else {self.name: self.counter.state_dict()}
-
-    @hookimpl
-    def aniso_load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        if self.name in state:
-            self._ready().load_state_dict(state[self.name])
 
 
 def _perplexity(nll_sum: torch.Tensor, count: torch.Tensor) -> float:

@@ -1,8 +1,8 @@
 """Frequency groups: rare / medium / frequent tokens by training-target count, and the
 geometry of the LM head within and between them (Yu et al. 2022, the AGG paper, §3).
 
-This module is the one home of the target counter (`TargetCounter`) and of the group split
-(`frequency_groups`); `EvalPlugin` uses both for its per-group perplexity and Uniq.
+This module is the one home of the group split (`frequency_groups`); the counts come from the
+shared `TargetCountsPlugin`, which `EvalPlugin` also reads for its per-group perplexity and Uniq.
 """
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import math
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 from ..config import AnisoConfig
-from ..distributed import is_distributed, local_rows
+from ..distributed import local_rows
 from ..geometry import (
     Spectrum,
     cross_cosine_finish,
@@ -29,6 +28,7 @@ from ..hookspecs import hookimpl
 from ..model import ModelHandle
 from ..reduce import Stat
 from ..steps import StepInfo
+from .target_counts import TargetCountsPlugin
 
 GROUPS = ("rare", "medium", "frequent")
 """Group names; `frequency_groups` returns their indices 0, 1, 2."""
@@ -57,84 +57,26 @@ def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float]
     return groups
 
 
-class TargetCounter:
-    """Cumulative counts of training targets (ids in [0, V), `ignore_index` skipped).
-
-    `add` bincounts a micro-batch's targets into a pending local vector; `sync` (collective:
-    all ranks, once per optimizer step) sums the pending vectors across ranks and adds them to
-    ``counts``, which is therefore identical on every rank."""
-
-    def __init__(self, vocab_size: int, ignore_index: int = -100) -> None:
-        self.vocab_size = vocab_size
-        self.ignore_index = ignore_index
-        self.counts = torch.zeros(vocab_size, dtype=torch.long)
-        self._pending: torch.Tensor | None = None
-
-    def add(self, targets: torch.Tensor) -> None:
-        y = targets.reshape(-1)
-        y = y[y != self.ignore_index]
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.vocab_size):
-            raise ValueError(
-                f"targets must lie in [0, {self.vocab_size}) or equal ignore_index={self.ignore_index}, "
-                f"got values in [{int(y.min())}, {int(y.max())}]"
-            )
-        local = torch.bincount(y, minlength=self.vocab_size)
-        self._pending = local if self._pending is None else self._pending + local.to(self._pending.device)
-
-    def sync(self) -> None:
-        pending = self._pending
-        if pending is None:
-            pending = torch.zeros(self.vocab_size, dtype=torch.long, device=self.counts.device)
-        if is_distributed():
-            dist.all_reduce(pending)
-        self.counts = self.counts.to(pending.device) + pending
-        self._pending = None
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"counts": self.counts.detach().cpu().clone()}
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        counts = state["counts"]
-        if counts.shape != (self.vocab_size,):
-            raise ValueError(f"saved counts have shape {tuple(counts.shape)}, expected ({self.vocab_size},)")
-        self.counts = counts.to(dtype=torch.long, device=self.counts.device).clone()
-
-
 class FrequencyGroupsPlugin:
     """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.geometry.isotropy`)
     and the mean pairwise cosine; and the mean cosine between the rare and the frequent rows
     (AGG paper §3: "the average cosine similarity between the rare and frequent group
-    embeddings"). Groups come from this plugin's own counter of training targets.
+    embeddings"). Groups come from the shared counter of training targets, `counts`.
 
     Logged (train measurements): ``frequency/<group>/isotropy``, ``frequency/<group>/mean_cosine``
-    for group in rare, medium, frequent, and ``frequency/rare_frequent_cosine``. State: the
-    counts, namespace "frequency"."""
+    for group in rare, medium, frequent, and ``frequency/rare_frequent_cosine``."""
 
     name = "frequency"
 
-    def __init__(self, config: AnisoConfig) -> None:
+    def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
         self.config = config
+        self.counts = counts
         self.model: ModelHandle | None = None
-        self.counter: TargetCounter | None = None
         self._groups: torch.Tensor | None = None
 
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
         self.model = model
-        self.counter = TargetCounter(model.vocab_size, config.ignore_index)
-
-    def _ready(self) -> TargetCounter:
-        if self.counter is None or self.model is None:
-            raise RuntimeError("FrequencyGroupsPlugin: aniso_setup(model, config) must run first")
-        return self.counter
-
-    @hookimpl
-    def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
-        self._ready().add(targets)
-
-    @hookimpl
-    def aniso_step_end(self, step: StepInfo) -> None:
-        self._ready().sync()
 
     @hookimpl
     def aniso_metric_stats(
@@ -142,7 +84,7 @@ class FrequencyGroupsPlugin:
     ) -> dict[str, Stat] | None:
         if kind != "train":
             return None
-        counter = self._ready()
+        counter = self.counts.ready()
         lr = local_rows(self.model.head().weight.detach())
         if "frequency/rare/gram" not in reduced:
             self._groups = frequency_groups(counter.counts, self.config.group_fractions)
@@ -173,14 +115,5 @@ class FrequencyGroupsPlugin:
         self._groups = None
         return out
 
-    @hookimpl
-    def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        return None if self.counter is None else {self.name: self.counter.state_dict()}
 
-    @hookimpl
-    def aniso_load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        if self.name in state:
-            self._ready().load_state_dict(state[self.name])
-
-
-__all__ = ["FrequencyGroupsPlugin", "GROUPS", "TargetCounter", "frequency_groups"]
+__all__ = ["FrequencyGroupsPlugin", "GROUPS", "frequency_groups"]
