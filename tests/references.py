@@ -25,3 +25,19 @@ def agg_output_grad(h, W, targets, appearance, alpha, gated):
         z = gate * z + (1 - gate) * z.detach()
     (F.cross_entropy(z, y, reduction="sum") / len(y)).backward()
     return Wp.grad
+
+
+def agg_first_step_grad(mle_grad, hidden, weight, labels, alpha, vocab):
+    """Reference gradient of a tied embedding/head W after AGG's first step, from the plain
+    (MLE) run's gradient of the same batch: the output-side part of the MLE gradient replaced by
+    the gated one (the input-lookup part is unchanged by AGG). At step 1 (window K >= 1) the
+    appearance a_k is the count of k among this step's targets; `labels` are the model's
+    unshifted labels, the targets their causal shift."""
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1).reshape(-1)
+    counts = torch.bincount(targets[targets != -100], minlength=vocab).double()
+    h = hidden.reshape(-1, hidden.shape[-1])
+    return (
+        mle_grad.double()
+        - agg_output_grad(h, weight, targets, counts, alpha, gated=False)
+        + agg_output_grad(h, weight, targets, counts, alpha, gated=True)
+    )

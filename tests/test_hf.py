@@ -14,7 +14,7 @@ from transformers import Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig, ConfigError, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
-from references import agg_output_grad
+from references import agg_first_step_grad
 from hf_utils import VOCAB, ForwardCapture, GradCapture, TokenDataset, tiny_gpt2, tiny_llama
 from third_party_plugin import HeadNormPlugin
 
@@ -75,18 +75,10 @@ def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     trainer, cb = make_trainer(tmp_path, cfg, model=model, callbacks=[cap], max_grad_norm=0.0)
     trainer.train()
 
-    ids = seen.labels[0]
-    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
-    counts = torch.bincount(targets[targets != -100], minlength=VOCAB).double()
-    h = seen.hidden[0].reshape(-1, 16)
-    y = targets.reshape(-1)
-    expected = (
-        cap_mle.grads[0]["transformer.wte.weight"].double()
-        - agg_output_grad(h, w0, y, counts, alpha, gated=False)
-        + agg_output_grad(h, w0, y, counts, alpha, gated=True)
-    )
+    mle = cap_mle.grads[0]["transformer.wte.weight"]
+    expected = agg_first_step_grad(mle, seen.hidden[0], w0, seen.labels[0], alpha, VOCAB)
     got = cap.grads[0]["transformer.wte.weight"].double()
-    assert not torch.allclose(expected, cap_mle.grads[0]["transformer.wte.weight"].double(), rtol=1e-3, atol=1e-6)
+    assert not torch.allclose(expected, mle.double(), rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
 
 

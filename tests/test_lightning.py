@@ -15,8 +15,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.lightning import AnisoCallback
-from lightning_utils import DIM, GradCapture, LitLM, loader
-from references import agg_output_grad
+from lightning_utils import GradCapture, LitLM, loader
+from references import agg_first_step_grad
 from third_party_plugin import HeadNormPlugin
 from token_data import VOCAB
 
@@ -59,18 +59,11 @@ def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     cfg = AnisoConfig(method="agg", alpha=alpha, window=4, metrics=(), load_entry_points=False)
     fit(tmp_path, cfg, callbacks=[cap], module=module)
 
-    ids = next(iter(loader()))["labels"]
-    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1).reshape(-1)
-    counts = torch.bincount(targets[targets != -100], minlength=VOCAB).double()
-    h = hidden[0].reshape(-1, DIM)
-    # LitLM's loss is the mean over the T-1 shifted positions, the same tokens as `targets`
-    expected = (
-        cap_mle.grads[0]["model.embed.weight"].double()
-        - agg_output_grad(h, w0, targets, counts, alpha, gated=False)
-        + agg_output_grad(h, w0, targets, counts, alpha, gated=True)
-    )
+    # LitLM's loss is the mean over the T-1 shifted positions, the reference's targets
+    mle = cap_mle.grads[0]["model.embed.weight"]
+    expected = agg_first_step_grad(mle, hidden[0], w0, next(iter(loader()))["labels"], alpha, VOCAB)
     got = cap.grads[0]["model.embed.weight"].double()
-    assert not torch.allclose(expected, cap_mle.grads[0]["model.embed.weight"].double(), rtol=1e-3, atol=1e-6)
+    assert not torch.allclose(expected, mle.double(), rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
 
 
