@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,8 @@ def _worker(rank, world, out_dir, fn, args):
     result = None
     try:
         # a file store: no TCP port to pick (and lose to a race with other tests)
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out_dir, 'store')}", rank=rank, world_size=world)
+        store = f"file://{os.path.join(out_dir, 'store')}"
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
         result = ("ok", fn(rank, world, *args))
     except BaseException:  # noqa: BLE001 - report to the parent
         result = ("error", traceback.format_exc())
@@ -29,6 +32,11 @@ def _worker(rank, world, out_dir, fn, args):
             if result[0] == "ok":
                 dist.barrier()  # no rank tears down gloo while the other still communicates
             dist.destroy_process_group()
+    # Skip the interpreter's teardown: destructors of torch's C++ thread pools at exit can abort
+    # ("terminate called without an active exception") after the work is done and reported.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, *args, world: int = 2) -> list:
