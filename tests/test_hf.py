@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import math
 import json
 import os
 import subprocess
@@ -192,3 +193,20 @@ def test_two_process_ddp(tmp_path):
     # the loss term is counted once: with DDP averaging, its gradient is 2·coef·W, not world·2·coef·W
     for rank in r:
         torch.testing.assert_close(torch.tensor(rank["term_grad"]), torch.tensor(rank["expected_term_grad"]), rtol=1e-4, atol=1e-6)
+
+
+def test_evaluate_reports_group_perplexity_and_uniq(tmp_path):
+    cfg = AnisoConfig(metrics=("eval",), load_entry_points=False)
+    trainer, _ = make_trainer(tmp_path, cfg, max_steps=3, per_device_eval_batch_size=4)
+    trainer.eval_dataset = TokenDataset(n=8, seed=1)
+    trainer.train()
+    metrics = trainer.evaluate()
+    # independent: the Trainer's own loss (equal-size batches: mean of batch means = token mean)
+    assert metrics["eval_aniso/eval/ppl"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-5)
+    ids = trainer.eval_dataset.ids
+    with torch.no_grad():
+        predicted = trainer.model(input_ids=ids).logits[:, :-1].argmax(-1)
+    assert metrics["eval_aniso/eval/uniq"] == len(set(predicted.flatten().tolist()))
+    groups = [metrics[f"eval_aniso/eval/uniq_{g}"] for g in ("rare", "medium", "frequent")]
+    assert sum(groups) == metrics["eval_aniso/eval/uniq"]
+    assert "eval_aniso/eval/ppl_rare" in trainer.state.log_history[-1]

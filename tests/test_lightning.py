@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -136,3 +137,22 @@ def test_two_processes(tmp_path, strategy):
     assert single["metrics"] and r[0]["metrics"].keys() == single["metrics"].keys()
     for name, value in single["metrics"].items():
         assert r[0]["metrics"][name] == pytest.approx(value, rel=1e-5), name
+
+
+def test_validation_reports_group_perplexity_and_uniq(tmp_path):
+    cfg = AnisoConfig(metrics=("eval",), load_entry_points=False)
+    cb = AnisoCallback(cfg, **PATHS)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[cb], num_sanity_val_steps=2, val_check_interval=3,
+    )
+    module = LitLM()
+    valid = loader(n=8, seed=1)
+    trainer.fit(module, loader(), valid)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    # independent: the module's own validation loss (equal-size batches, mean of batch means)
+    assert metrics["val_aniso/eval/ppl"] == pytest.approx(math.exp(metrics["val_loss"]), rel=1e-5)
+    ids = valid.dataset.ids
+    with torch.no_grad():
+        predicted = module.model(ids)[:, :-1].argmax(-1)
+    assert metrics["val_aniso/eval/uniq"] == len(set(predicted.flatten().tolist()))
