@@ -41,3 +41,26 @@ def agg_first_step_grad(mle_grad, hidden, weight, labels, alpha, vocab):
         - agg_output_grad(h, weight, targets, counts, alpha, gated=False)
         + agg_output_grad(h, weight, targets, counts, alpha, gated=True)
     )
+
+
+def regularizer_grad(method, weight, *, margin=0.5, gamma=0.75):
+    """Reference gradient (float64, autograd through the explicit formula) of the unweighted
+    regularizers, all rows nonzero and none excluded, N = V:
+    cosreg 1/N² Σ_{i≠j} cos(w_i, w_j) (Gao et al. 2019); hinge 1/N² Σ_{i≠j} max(0, cos − γ);
+    spectrum (polynomial prior, c1 = σ_1 of `weight`) Σ_k (σ_k − c1·k^−γ)² (Wang et al. 2020)."""
+    w = weight.detach().double().clone().requires_grad_(True)
+    n = w.shape[0]
+    if method in ("cosreg", "hinge"):
+        u = w / w.norm(dim=1, keepdim=True)
+        cos = u @ u.T
+        off = ~torch.eye(n, dtype=torch.bool)
+        pairs = cos[off] if method == "cosreg" else (cos[off] - margin).clamp_min(0)
+        r = pairs.sum() / n**2
+    elif method == "spectrum":
+        sigma = torch.linalg.svdvals(w)
+        k = torch.arange(1, len(sigma) + 1, dtype=torch.float64)
+        r = ((sigma - sigma[0].detach() * k ** (-gamma)) ** 2).sum()
+    else:
+        raise ValueError(method)
+    r.backward()
+    return w.grad

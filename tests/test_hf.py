@@ -15,7 +15,7 @@ from transformers import Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig, ConfigError, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
-from references import agg_first_step_grad
+from references import agg_first_step_grad, regularizer_grad
 from hf_utils import VOCAB, ForwardCapture, GradCapture, TokenDataset, tiny_gpt2, tiny_llama
 from third_party_plugin import HeadNormPlugin
 
@@ -81,6 +81,21 @@ def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     got = cap.grads[0]["transformer.wte.weight"].double()
     assert not torch.allclose(expected, mle.double(), rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["cosreg", "hinge", "spectrum"])
+def test_regularizer_gradient_equals_reference_once_per_step(tmp_path, method):
+    grads = {}
+    for m in ("none", method):
+        cap = GradCapture(("transformer.wte.weight",))
+        cfg = AnisoConfig(method=m, reg_weight=0.3, hinge_margin=0.1, metrics=(), load_entry_points=False)
+        trainer, _ = make_trainer(tmp_path, cfg, callbacks=[cap], max_grad_norm=0.0, gradient_accumulation_steps=2)
+        w0 = trainer.model.transformer.wte.weight.detach().clone()
+        trainer.train()
+        grads[m] = cap.grads[0]["transformer.wte.weight"].double()
+    expected = 0.3 * regularizer_grad(method, w0, margin=0.1)
+    assert expected.abs().max() > 1e-6
+    torch.testing.assert_close(grads[method] - grads["none"], expected, rtol=1e-4, atol=1e-7)
 
 
 def test_metrics_reach_tensorboard_with_the_trainer_step(tmp_path, monkeypatch):

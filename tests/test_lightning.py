@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.lightning import AnisoCallback
 from lightning_utils import GradCapture, LitLM, loader
-from references import agg_first_step_grad
+from references import agg_first_step_grad, regularizer_grad
 from third_party_plugin import HeadNormPlugin
 from token_data import VOCAB
 
@@ -66,6 +66,19 @@ def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     got = cap.grads[0]["model.embed.weight"].double()
     assert not torch.allclose(expected, mle.double(), rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["cosreg", "hinge", "spectrum"])
+def test_regularizer_gradient_equals_reference_once_per_step(tmp_path, method):
+    grads, w0 = {}, LitLM().model.embed.weight.detach().clone()
+    for m in ("none", method):
+        cap = GradCapture()
+        cfg = AnisoConfig(method=m, reg_weight=0.3, hinge_margin=0.1, metrics=(), load_entry_points=False)
+        fit(tmp_path, cfg, callbacks=[cap], accumulate_grad_batches=2)
+        grads[m] = cap.grads[0]["model.embed.weight"].double()
+    expected = 0.3 * regularizer_grad(method, w0, margin=0.1)
+    assert expected.abs().max() > 1e-6
+    torch.testing.assert_close(grads[method] - grads["none"], expected, rtol=1e-4, atol=1e-7)
 
 
 def test_metrics_in_csv_logger_with_lightning_steps(tmp_path):
