@@ -5,10 +5,11 @@ torchtitan's loss); the HF Trainer does not, and clips gradients before any call
 them. `attach_loss` covers every case the same way: it returns ``output`` unchanged and,
 in backward, sends ``scale`` as the gradient of the scalar ``loss`` — as if ``scale * loss``
 had been added to whatever loss ``output`` flows into, whatever that loss's own scaling
-(mean over tokens, division by accumulation steps, AMP-free) is. The adapter picks the one
+(mean over tokens, division by accumulation steps) is. The adapter picks the one
 micro-batch per optimizer step and the `scale` that its data-parallel reduction needs
 (1 when gradients are averaged over ranks and every rank adds the same term; 1/world when
-they are summed)."""
+they are summed), times the fp16 AMP loss scale when a gradient scaler is active (the
+scaler unscales every gradient before clipping)."""
 
 from __future__ import annotations
 

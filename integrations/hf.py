@@ -159,6 +159,9 @@ class AnisoCallback(TrainerCallback):
                 "are needed (use DataCollatorForLanguageModeling(mlm=False) or add labels)"
             )
         trainer = self.trainer
+        # fp16 AMP: backward runs on the scaled loss, so loss terms get the same scale
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        self.session.loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         self.session.begin_micro_batch(
             targets,
             step=trainer.state.global_step + 1,

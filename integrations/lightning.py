@@ -106,6 +106,9 @@ class AnisoCallback(pl.Callback):
         window = acc if total == float("inf") else min(acc, int(total) - window_start)
         last = batch_idx - window_start == window - 1
         step = trainer.global_step + 1
+        # 16-mixed AMP: backward runs on the scaled loss, so loss terms get the same scale
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.session.loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         self.session.begin_micro_batch(
             self._targets(batch), step=step, accumulation_steps=window, measure=last and self._due(trainer, step)
         )

@@ -49,6 +49,23 @@ def test_loss_term_reaches_gradients_once_per_step_under_accumulation(tmp_path):
     torch.testing.assert_close(grads[0.25] - grads[0.0], 2 * 0.25 * w0, rtol=1e-4, atol=1e-6)
 
 
+def test_loss_terms_follow_the_fp16_grad_scaler(tmp_path):
+    class Scaler(torch.amp.GradScaler):  # what accelerate holds under fp16 AMP (on CUDA)
+        def scale(self, loss):  # leave the loss unscaled: only the term's scaling is visible
+            super().scale(loss.detach())  # (initializes the scale)
+            return loss
+
+    grads = {}
+    for coef in (0.0, 0.25):
+        cap = GradCapture(("transformer.wte.weight",))
+        trainer, _ = make_trainer(tmp_path, plugins=[HeadNormPlugin(coef)], callbacks=[cap], max_grad_norm=0.0)
+        trainer.accelerator.scaler = Scaler("cpu", init_scale=8.0)
+        w0 = trainer.model.transformer.wte.weight.detach().clone()
+        trainer.train()
+        grads[coef] = cap.grads[0]["transformer.wte.weight"]
+    torch.testing.assert_close(grads[0.25] - grads[0.0], 8.0 * 2 * 0.25 * w0, rtol=1e-4, atol=1e-6)
+
+
 def test_loss_term_is_in_the_gradient_that_clipping_sees(tmp_path):
     def run(max_grad_norm):
         cap = GradCapture()

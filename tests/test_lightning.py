@@ -48,6 +48,19 @@ def test_loss_term_once_per_optimizer_step_under_accumulation(tmp_path):
     torch.testing.assert_close(grads[0.25] - grads[0.0], 2 * 0.25 * w0, rtol=1e-4, atol=1e-6)
 
 
+def test_loss_terms_follow_the_fp16_grad_scaler(tmp_path):
+    class ScalerOn(pl.Callback):  # what 16-mixed holds (on CUDA); the loss stays unscaled here
+        def setup(self, trainer, pl_module, stage):
+            trainer.precision_plugin.scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+
+    grads, w0 = {}, LitLM().model.embed.weight.detach().clone()
+    for coef in (0.0, 0.25):
+        cap = GradCapture()
+        fit(tmp_path, plugins=[HeadNormPlugin(coef)], callbacks=[ScalerOn(), cap])
+        grads[coef] = cap.grads[0]["model.embed.weight"]
+    torch.testing.assert_close(grads[0.25] - grads[0.0], 8.0 * 2 * 0.25 * w0, rtol=1e-4, atol=1e-6)
+
+
 def test_agg_first_step_gradient_equals_three_logit_reference(tmp_path):
     alpha = 1.5
     cap_mle = GradCapture()
