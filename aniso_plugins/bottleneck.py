@@ -83,7 +83,6 @@ def bottleneck_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> 
     n = float(reduced[f"{prefix}tokens"])
     total = float(reduced[f"{prefix}grad_sq"])
     if n == 0 or total == 0:
-        nan = math.nan
         names = ("lost_fraction", "lost_fraction_norm", "kept_cosine", "lost_fraction_token")
         return {**dict.fromkeys(names, math.nan), "tokens": n}
     lost = min(max(1.0 - float(reduced[f"{prefix}kept_sq"]) / total, 0.0), 1.0)
