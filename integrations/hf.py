@@ -87,6 +87,7 @@ class AnisoCallback(TrainerCallback):
         self._pending: dict[str, float] = {}
         self._resume_dir: str | None = None
         self._measure_next = False
+        self._eval_labels: torch.Tensor | None = None
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
@@ -142,7 +143,6 @@ class AnisoCallback(TrainerCallback):
         trainer.training_step = training_step_with_targets
         trainer.prediction_step = prediction_step_with_targets
         trainer.train = train_remembering_checkpoint
-        self._eval_labels: torch.Tensor | None = None
         trainer.model.register_forward_hook(self._on_model_output)
 
     def _targets_of(self, inputs: dict[str, Any]) -> torch.Tensor | None:
