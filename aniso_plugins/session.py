@@ -7,7 +7,8 @@ An adapter translates its trainer's events into calls on one `TrainingSession`:
     (forward: the head's forward hook attaches the loss terms on the micro-batch they are due)
     session.end_step(step)                        after the optimizer step
     session.measure(step)                         at measurement steps, on every rank
-    session.eval_batch(logits, targets)           each evaluation batch
+    session.eval_targets = targets                each evaluation batch, before its forward
+                                                  (the head's output feeds aniso_eval_batch)
 
 The session numbers micro-batches within a step, decides when loss terms are due and attaches
 them inside the head's forward (`aniso_plugins.loss.attach_loss`), so adapters hold no such
@@ -68,6 +69,9 @@ class TrainingSession:
         self._current: StepInfo | None = None
         self._loss_due = False
         self._hook = None
+        self.eval_targets: torch.Tensor | None = None
+        """Targets of the evaluation batch being run (set by the adapter, None otherwise): the
+        head's output in eval mode is then handed to the plugins with them."""
 
     # --- set-up -----------------------------------------------------------------------------
     def setup(self, handle: ModelHandle) -> None:
@@ -80,7 +84,11 @@ class TrainingSession:
         self._hook = handle.head().register_forward_hook(self._on_head_output)
 
     def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
-        if not (self._loss_due and module.training and torch.is_grad_enabled()):
+        if not module.training:
+            if self.eval_targets is not None:
+                self.eval_batch(output, self.eval_targets)
+            return None
+        if not (self._loss_due and torch.is_grad_enabled()):
             return None
         self._loss_due = False
         return self.plugins.attach_loss_terms(output, self._current, self.loss_scale)

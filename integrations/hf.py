@@ -87,7 +87,6 @@ class AnisoCallback(TrainerCallback):
         self._pending: dict[str, float] = {}
         self._resume_dir: str | None = None
         self._measure_next = False
-        self._eval_labels: torch.Tensor | None = None
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
@@ -127,11 +126,11 @@ class AnisoCallback(TrainerCallback):
             return training_step(model, inputs, num_items_in_batch)
 
         def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None):
-            self._eval_labels = self._targets_of(inputs)
+            self.session.eval_targets = self._targets_of(inputs)
             try:
                 return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
             finally:
-                self._eval_labels = None
+                self.session.eval_targets = None
 
         def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
             ckpt = resume_from_checkpoint
@@ -143,7 +142,6 @@ class AnisoCallback(TrainerCallback):
         trainer.training_step = training_step_with_targets
         trainer.prediction_step = prediction_step_with_targets
         trainer.train = train_remembering_checkpoint
-        trainer.model.register_forward_hook(self._on_model_output)
 
     def _targets_of(self, inputs: dict[str, Any]) -> torch.Tensor | None:
         if inputs.get("shift_labels") is not None:
@@ -168,12 +166,6 @@ class AnisoCallback(TrainerCallback):
             accumulation_steps=getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps),
             measure=self._measure_next,
         )
-
-    def _on_model_output(self, module: nn.Module, args, output):
-        if self._eval_labels is not None and not module.training:
-            logits = output["logits"] if isinstance(output, dict) else getattr(output, "logits", None)
-            if logits is not None:
-                self.session.eval_batch(logits, self._eval_labels)
 
     # --- trainer events ---------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch import nn
 
 from .. import AnisoConfig, SetupError
 from ..model import find_handle
@@ -69,7 +68,6 @@ class AnisoCallback(pl.Callback):
         self.config = self.session.config
         self._paths = dict(head=head, input_embedding=input_embedding, blocks=blocks)
         self._targets = targets or self._labels_shifted
-        self._eval_targets: torch.Tensor | None = None
         self._stepped_at: int | None = None
 
     @property
@@ -91,7 +89,6 @@ class AnisoCallback(pl.Callback):
         if not pl_module.automatic_optimization:
             raise SetupError("AnisoCallback needs automatic optimization (manual optimization is not supported)")
         self.session.setup(find_handle(pl_module, **self._paths))
-        self.session.handle.head().register_forward_hook(self._on_head_output)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
@@ -134,14 +131,10 @@ class AnisoCallback(pl.Callback):
     # --- evaluation -------------------------------------------------------------------------
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if not trainer.sanity_checking:
-            self._eval_targets = self._targets(batch)
+            self.session.eval_targets = self._targets(batch)
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self._eval_targets = None
-
-    def _on_head_output(self, module: nn.Module, args, output: torch.Tensor) -> None:
-        if self._eval_targets is not None and not module.training:
-            self.session.eval_batch(output, self._eval_targets)
+        self.session.eval_targets = None
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
