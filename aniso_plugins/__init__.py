@@ -7,11 +7,13 @@ statistics, state files, and the methods and metrics. Trainer adapters live in
 
 __version__ = "0.1.0"
 
-from .agg import AGGGates, AGGHead, agg_gates, agg_linear
+from .agg import AGGGates, agg_gates, agg_linear
+from .agg_head import AGGForward
 from .bottleneck import bottleneck_finish, bottleneck_stats, gradient_bottleneck, logit_gradient_rank
 from .config import AnisoConfig, ConfigError
 from .counter import TokenCounter
 from .distributed import LocalRows, full_rows, local_rows
+from .errors import AnisoError
 from .fused_ce import agg_cross_entropy
 from .geometry import (
     Spectrum,
@@ -28,37 +30,45 @@ from .heads import LowRankHead, merge_low_rank, merge_low_rank_heads
 from .hookspecs import hookimpl
 from .isoscore import isoscore
 from .loss import attach_loss
-from .model import ModelHandle, SetupError
+from .model import ModelHandle, OutputEmbeddingsHandle, SetupError, find_handle
 from .plugins import AnisoPlugins
 from .reduce import Stat, reduce_stats
 from .regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
 from .state import StateError, load_state, save_state
-from .steps import StepInfo
+from .session import TrainingSession, batch_targets, causal_targets
+from .steps import RunInfo, StepInfo
 
 __all__ = [
+    "AGGForward",
     "AGGGates",
-    "AGGHead",
     "AnisoConfig",
+    "AnisoError",
     "AnisoPlugins",
     "ConfigError",
     "LocalRows",
     "LowRankHead",
     "ModelHandle",
+    "OutputEmbeddingsHandle",
+    "RunInfo",
     "SetupError",
     "Spectrum",
     "Stat",
     "StateError",
     "StepInfo",
+    "TrainingSession",
     "TokenCounter",
     "agg_cross_entropy",
     "agg_gates",
     "agg_linear",
     "attach_loss",
+    "batch_targets",
+    "causal_targets",
     "bottleneck_finish",
     "bottleneck_stats",
     "cosine_hinge",
     "cosreg",
     "effective_rank",
+    "find_handle",
     "full_rows",
     "gradient_bottleneck",
     "hookimpl",

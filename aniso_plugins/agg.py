@@ -19,18 +19,14 @@ rare-target rows). `AGGHead` installs it in place as a head module's forward.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-__all__ = ["AGGGates", "AGGHead", "agg_gates", "agg_linear"]
-
-logger = logging.getLogger("aniso_plugins")
+__all__ = ["AGGGates", "agg_gates", "agg_linear"]
 
 #: The official code's guard on the mean rare count: g2 = min(c_k / (c̄_r + 1e-7), 1).
 G2_EPS = 1e-7
@@ -312,64 +308,3 @@ def agg_linear(
     return _AGGLinear.apply(
         hidden, weight, bias, targets, gates.g1, gates.g2, gates.rare, gates.g_target, ignore_index, dtypes
     )
-
-
-class AGGHead:
-    """The AGG-gated forward, installed in place on an LM head module.
-
-    The module object and its Parameters stay what they are (tying, state-dict keys, FSDP2
-    groups and DDP hooks keep working); only ``module.forward`` becomes an instance attribute.
-    `arm` hands over one micro-batch's targets and gates; the next forward that runs in training
-    mode with gradients enabled consumes them and returns `agg_linear` logits, reading
-    ``module.weight`` (and ``module.bias``) at call time, so a head whose ``weight`` is a computed
-    property (W = A·B) works too. Any other call runs the module's original forward.
-    """
-
-    def __init__(self, module: nn.Module, ignore_index: int = -100) -> None:
-        if isinstance(getattr(module.forward, "__self__", None), AGGHead):
-            raise ValueError(f"AGGHead: {type(module).__name__} already has an AGG forward installed")
-        self.module = module
-        self.ignore_index = ignore_index
-        self._own_forward = "forward" in module.__dict__
-        self._original = module.forward
-        self._pending: tuple[torch.Tensor, AGGGates] | None = None
-        self._warned = False
-        module.forward = self.forward
-
-    def arm(self, targets: torch.Tensor, gates: AGGGates) -> None:
-        """Targets (aligned with the head's output positions) and gates for the next forward."""
-        self._pending = (targets, gates)
-
-    def disarm(self) -> None:
-        """Drop targets that no forward consumed."""
-        self._pending = None
-
-    @property
-    def armed(self) -> bool:
-        return self._pending is not None
-
-    def remove(self) -> None:
-        """Restore the module's original forward."""
-        if self._own_forward:
-            self.module.forward = self._original
-        else:
-            del self.module.forward
-        self._pending = None
-
-    def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: A002 - torchtitan reads `input`
-        if self.module.training and torch.is_grad_enabled():
-            if self._pending is not None:
-                if args or kwargs:
-                    raise TypeError("AGG head: the gated forward takes only the hidden states")
-                targets, gates = self._pending
-                self._pending = None
-                return agg_linear(
-                    input, self.module.weight, targets, gates, getattr(self.module, "bias", None), self.ignore_index
-                )
-            if not self._warned:
-                self._warned = True
-                logger.warning(
-                    "AGG: the LM head ran in training without targets for this micro-batch; its weight "
-                    "gradient is not gated (the adapter must call AnisoPlugins.targets before each forward)"
-                )
-        return self._original(input, *args, **kwargs)

@@ -5,6 +5,13 @@
 (``AnisoConfig(method="agg", alpha=0.03)``). Fields are grouped by the plugin that reads
 them; a plugin ignores the fields of methods that are off. Every value is checked at
 construction: a bad one raises `ConfigError` naming the field, the value and what is accepted.
+
+The dataclass is frozen (``cfg.alpha = 0.1`` raises `dataclasses.FrozenInstanceError`; use
+``cfg.replace(alpha=0.1)``, which validates again), hashable and comparable. Sequence fields are
+annotated as ``list[...]`` so that argument parsers that build flags from annotations
+(transformers' `HfArgumentParser`: ``--metrics geometry frequency``; tyro:
+``--aniso.metrics geometry frequency``; jsonargparse / LightningCLI: YAML lists) accept them;
+they are stored as tuples. See docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -12,21 +19,50 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
-from typing import Any
+import operator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
-METHODS = ("none", "agg", "cosreg", "hinge", "spectrum")
-HEADS = ("keep", "untie", "lowrank")
-METRICS = ("geometry", "frequency", "hidden", "bottleneck", "eval")
+from . import registry
+from .errors import AnisoError, ConfigError
+
+METHODS: tuple[str, ...] = tuple(registry.METHODS)
+HEADS: tuple[str, ...] = tuple(registry.HEADS)
+METRICS: tuple[str, ...] = tuple(registry.METRICS)
 AGG_PARTS = ("a", "b", "c")
 SPECTRUM_PRIORS = ("poly", "exp", "ratio")
 
 
-class ConfigError(ValueError):
-    """A configuration value is outside its accepted range."""
+# Sequence fields are annotated ``list[X]``: transformers' HfArgumentParser turns only list
+# fields into multi-value flags (``--metrics geometry frequency``), jsonargparse reads YAML
+# lists. The values are stored as tuples (hashable, immutable); tyro, torchtitan's CLI, is told
+# so (Annotated metadata that the other parsers drop), so its defaults match their type.
+try:
+    import tyro as _tyro
+except ImportError:  # no torchtitan extra: plain lists
+    IntList, StrList, FloatList = list[int], list[str], list[float]
+else:
+    IntList = Annotated[list[int], _tyro.conf.arg(constructor=tuple[int, ...])]
+    StrList = Annotated[list[str], _tyro.conf.arg(constructor=tuple[str, ...])]
+    FloatList = Annotated[list[float], _tyro.conf.arg(constructor=tuple[float, ...])]
 
 
-@dataclass
+def _default(*values: Any) -> Any:
+    """A sequence field's default (a factory, as parsers want for list-annotated fields)."""
+    return field(default_factory=lambda: list(values))
+
+
+# Sequence fields and their element types (stored as tuples; see _sequence).
+_SEQUENCES: dict[str, type] = {
+    "special_ids": int,
+    "reg_exclude_ids": int,
+    "agg_parts": str,
+    "metrics": str,
+    "group_fractions": float,
+}
+
+
+@dataclass(frozen=True)
 class AnisoConfig:
     """What to run. Defaults measure geometry and change nothing about training.
 
@@ -35,6 +71,10 @@ class AnisoConfig:
             "hinge" (pairwise cosine hinge), "spectrum" (Wang et al. 2020).
         head: "keep", "untie" (independent output matrix) or "lowrank" (W = A·B).
         ignore_index: target value that marks positions without a loss.
+
+    Frozen: change a copy with `replace`. Sequence fields (special_ids, reg_exclude_ids,
+    agg_parts, metrics, group_fractions) accept any sequence (or a "a,b c" string) and are
+    stored as tuples.
     """
 
     method: str = "none"
@@ -46,7 +86,7 @@ class AnisoConfig:
     """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""
     window: int | None = None
     """K, optimizer steps the token counter remembers. None: one epoch when the adapter knows it."""
-    special_ids: tuple[int, ...] = ()
+    special_ids: IntList = _default()
     """Ids with a_k = 1 (never rare), like fairseq's 4 specials."""
     agg_g1: bool = True
     """Ablation: False sets g1 = 1 (no gating for non-rare targets)."""
@@ -56,7 +96,7 @@ class AnisoConfig:
     """Ablation: freeze the rare group (and gates) after this many optimizer steps."""
     agg_freeze_rare: bool = False
     """Ablation: the paper's Freeze experiment, rare rows get no output-side gradient at all."""
-    agg_parts: tuple[str, ...] = ("b", "c")
+    agg_parts: StrList = _default("b", "c")
     """Gradient parts of a rare row to gate (methods.md §0): (a) own contexts, (b) non-rare
     targets, (c) other rare targets. Default ("b", "c") is the official AGG."""
     agg_fused: bool = False
@@ -72,7 +112,7 @@ class AnisoConfig:
     reg_every_microbatch: bool = False
     """Apply a regularizer on every micro-batch (weight / accumulation steps) instead of once
     per optimizer step. The two conventions give the same gradient; this one spreads the cost."""
-    reg_exclude_ids: tuple[int, ...] = ()
+    reg_exclude_ids: IntList = _default()
     """Rows left out of the regularizers (e.g. pad and other special ids)."""
     hinge_margin: float = 0.5
     """γ of the hinge: pairs with cos > margin are penalized."""
@@ -94,11 +134,11 @@ class AnisoConfig:
     """"svd" (truncated SVD of the current head) or "random"."""
 
     # --- Metrics (methods.md §2, §7-9) ----------------------------------------------------
-    metrics: tuple[str, ...] = ("geometry",)
+    metrics: StrList = _default("geometry")
     """Metric plugins to run, any of METRICS."""
     metrics_every: int | None = None
     """Optimizer steps between metric measurements; None: at the trainer's logging steps."""
-    group_fractions: tuple[float, float, float] = (0.2, 0.5, 0.3)
+    group_fractions: FloatList = _default(0.2, 0.5, 0.3)
     """Rare / medium / frequent shares of the vocabulary for frequency groups (AGG seed)."""
     hidden_samples: int = 256
     """Token representations sampled per layer and measurement for hidden-state anisotropy."""
@@ -110,15 +150,8 @@ class AnisoConfig:
     """Load third-party plugins from the ``aniso_plugins`` entry-point group."""
 
     def __post_init__(self) -> None:
-        for name in ("special_ids", "reg_exclude_ids", "agg_parts", "metrics", "group_fractions"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                value = tuple(v for v in value.replace(",", " ").split() if v)
-                if name in ("special_ids", "reg_exclude_ids"):
-                    value = tuple(int(v) for v in value)
-                elif name == "group_fractions":
-                    value = tuple(float(v) for v in value)
-            setattr(self, name, tuple(value))
+        for name, kind in _SEQUENCES.items():  # frozen: normalize through object.__setattr__
+            object.__setattr__(self, name, _sequence(name, getattr(self, name), kind))
         _choice("method", self.method, METHODS)
         _choice("head", self.head, HEADS)
         _choice("spectrum_prior", self.spectrum_prior, SPECTRUM_PRIORS)
@@ -127,6 +160,8 @@ class AnisoConfig:
             _choice("metrics", m, METRICS)
         for p in self.agg_parts:
             _choice("agg_parts", p, AGG_PARTS)
+        _unique("metrics", self.metrics)
+        _unique("agg_parts", self.agg_parts)
         _range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
         _positive_or_none("window", self.window)
         _positive_or_none("agg_static_after", self.agg_static_after)
@@ -154,6 +189,12 @@ class AnisoConfig:
         if any(i < 0 for i in self.special_ids + self.reg_exclude_ids):
             raise ConfigError("special_ids / reg_exclude_ids: token ids must be >= 0")
 
+    def replace(self, **changes: Any) -> AnisoConfig:
+        """A copy with `changes` applied, validated like a new configuration; unknown field
+        names raise `ConfigError`."""
+        _known(changes)
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples become lists)."""
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -161,11 +202,52 @@ class AnisoConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AnisoConfig:
         """Inverse of `to_dict`; unknown keys raise `ConfigError`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ConfigError(f"unknown configuration fields {unknown}; known: {sorted(names)}")
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        _known(data)
+        return cls(**data)
+
+
+def _known(data: Any) -> None:
+    names = {f.name for f in dataclasses.fields(AnisoConfig) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown configuration fields {unknown}; known: {sorted(names)}")
+
+
+def _sequence(name: str, value: Any, kind: type) -> tuple:
+    """`value` as a tuple of `kind`; strings are split at commas and whitespace ("0, 1 2"), so
+    one flag value or environment variable can carry a whole list ("" is the empty list)."""
+    try:
+        items = [value] if isinstance(value, str) else list(value)
+    except TypeError:
+        raise ConfigError(f"{name}={value!r}: expected a list of {kind.__name__} values") from None
+    out: list[Any] = []
+    for item in items:
+        for v in item.replace(",", " ").split() if isinstance(item, str) else [item]:
+            try:
+                out.append(_element(v, kind))
+            except (TypeError, ValueError):
+                raise ConfigError(f"{name}={value!r}: {v!r} is not a {kind.__name__}") from None
+    return tuple(out)
+
+
+def _element(v: Any, kind: type) -> Any:
+    if isinstance(v, bool):  # True is an int to Python, never a token id or a share
+        raise TypeError
+    if kind is str:
+        if not isinstance(v, str):
+            raise TypeError
+        return v
+    if isinstance(v, str):
+        return kind(v)
+    return operator.index(v) if kind is int else float(v)  # index: ints, numpy / torch integers
+
+
+def _unique(name: str, values: tuple) -> None:
+    seen = set()
+    for v in values:
+        if v in seen:
+            raise ConfigError(f"{v!r} is listed twice in {name} ({name}={values!r}); list each once")
+        seen.add(v)
 
 
 def _choice(name: str, value: Any, accepted: tuple[str, ...]) -> None:
@@ -190,4 +272,4 @@ def _positive_or_none(name: str, value: Any) -> None:
         _positive_int(name, value)
 
 
-__all__ = ["AnisoConfig", "ConfigError", "METHODS", "HEADS", "METRICS"]
+__all__ = ["AnisoConfig", "AnisoError", "ConfigError", "METHODS", "HEADS", "METRICS"]

@@ -39,9 +39,14 @@ def rank_and_world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _chunk_bounds(total: int, index: int, parts: int) -> tuple[int, int]:
+def ceil_div(a: int, b: int) -> int:
+    """⌈a / b⌉ for integers a >= 0, b >= 1."""
+    return -(-a // b)
+
+
+def chunk_bounds(total: int, index: int, parts: int) -> tuple[int, int]:
     """Row range of chunk `index` of ``torch.chunk(range(total), parts)`` (may be empty)."""
-    size = -(-total // parts) if total else 0
+    size = ceil_div(total, parts) if total else 0
     start = min(index * size, total)
     return start, min(start + size, total)
 
@@ -64,17 +69,17 @@ def local_rows(param: torch.Tensor) -> LocalRows:
         mesh = param.device_mesh
         if isinstance(placement, Shard) and placement.dim == 0:
             index = mesh.get_local_rank()
-            start, _ = _chunk_bounds(total, index, mesh.size())
+            start, _ = chunk_bounds(total, index, mesh.size())
             return LocalRows(local, start, total)
         if isinstance(placement, Replicate):
-            start, end = _chunk_bounds(total, mesh.get_local_rank(), mesh.size())
+            start, end = chunk_bounds(total, mesh.get_local_rank(), mesh.size())
             return LocalRows(local[start:end], start, total)
         raise NotImplementedError(f"local_rows: placement {placement} is not supported (Shard(0) or Replicate)")
     total = param.shape[0]
     rank, world = rank_and_world()
     if world == 1:
         return LocalRows(param, 0, total)
-    start, end = _chunk_bounds(total, rank, world)
+    start, end = chunk_bounds(total, rank, world)
     return LocalRows(param[start:end], start, total)
 
 
@@ -88,4 +93,4 @@ def full_rows(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-__all__ = ["LocalRows", "local_rows", "full_rows", "is_distributed", "rank_and_world"]
+__all__ = ["LocalRows", "ceil_div", "chunk_bounds", "full_rows", "is_distributed", "local_rows", "rank_and_world"]

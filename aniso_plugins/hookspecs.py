@@ -1,18 +1,22 @@
 """Hook specifications: the contract between the core, the plugins and the trainer adapters.
 
-An adapter (HF Trainer, Lightning, torchtitan) drives these events through `AnisoPlugins`;
-plugins implement any subset with ``@hookimpl``. Built-in methods and metrics are plugins
+An adapter (HF Trainer, Lightning, torchtitan) drives these events through its
+`aniso_plugins.TrainingSession`, which calls them through `AnisoPlugins`; plugins implement any
+subset with ``@hookimpl``. Built-in methods and metrics are plugins
 registered through the same hooks as third-party ones (`aniso_make_plugins`).
 
 Every hook is called on **every rank**, in the same order, so plugins may rely on
 `aniso_plugins.reduce.reduce_stats` being called collectively by the core. Plugins never run
 collectives of their own inside a hook unless the spec says the hook is collective.
 
-Order of events for one optimizer step with A micro-batches::
+Order of events (docs/design.md walks through each adapter)::
 
-    aniso_targets(m=0) forward/backward ... aniso_targets(m=A-1) [aniso_loss_terms] forward/backward
-    (gradient clipping, optimizer step) aniso_step_end
-    at measurement steps: aniso_metric_stats (rounds) -> aniso_metrics -> aniso_log
+    aniso_make_plugins -> aniso_setup -> aniso_begin_training [-> aniso_load_state_dict]
+    per optimizer step with A micro-batches:
+        aniso_targets(m=0) forward/backward ... aniso_targets(m=A-1) [aniso_loss_terms] forward/backward
+        (gradient clipping, optimizer step) aniso_step_end
+        at measurement steps: aniso_metric_stats(round 0, 1, ...) -> aniso_metrics -> aniso_log
+    evaluation: aniso_eval_batch per batch, then aniso_metric_stats / aniso_metrics / aniso_log (kind "eval")
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ if TYPE_CHECKING:
     from .config import AnisoConfig
     from .model import ModelHandle
     from .reduce import Stat
-    from .steps import StepInfo
+    from .steps import RunInfo, StepInfo
 
 PROJECT = "aniso_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -50,7 +54,21 @@ def aniso_setup(model: ModelHandle, config: AnisoConfig) -> None:
     """Set up on the model, once per rank, before the optimizer exists and before the trainer
     wraps the model (DDP / FSDP2): head surgery (untie, low-rank, gated forward), forward or
     backward hooks for probes. Head replacements run first (``tryfirst=True``), wrappers of the
-    final head after them. Raise `aniso_plugins.SetupError` for a model you cannot handle."""
+    final head after them. Check here every configuration value that needs the model (ids
+    against ``model.vocab_size``, ranks against ``model.hidden_size``), so a bad one fails
+    before the first step. Raise `aniso_plugins.SetupError` for a model you cannot handle."""
+
+
+@hookspec
+def aniso_begin_training(run: RunInfo) -> None:
+    """Training starts (or resumes): `run` says what the trainer knows (epoch length, resumed
+    step, gradient accumulation). Build state whose size depends on it here (AGG builds its
+    token counter, window ``config.window`` or ``run.epoch_steps``); raise
+    `aniso_plugins.ConfigError` if the run lacks something you need.
+
+    Called on every rank after `aniso_setup` and before the first `aniso_targets`, again if
+    the trainer trains again. State from a checkpoint is restored after it
+    (`aniso_load_state_dict`), so it may replace what this hook built."""
 
 
 @hookspec
@@ -86,16 +104,20 @@ def aniso_step_end(step: StepInfo) -> None:
 
 
 @hookspec
-def aniso_metric_stats(step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
-    """Return reducible statistics for a measurement, name -> `Stat` (value and reduce op).
+def aniso_metric_stats(
+    step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
+) -> dict[str, Stat] | None:
+    """Return the reducible statistics of measurement round `round_index`, name -> `Stat`
+    (value and reduce op).
 
-    `kind` is "train" (at measurement steps) or "eval" (after an evaluation loop). Called in
-    rounds: first with ``reduced == {}``; the core reduces everything returned in one flat
-    collective per (dtype, op), then calls again with all reduced statistics so far, so a
-    metric needing a second pass (eigenvectors of a reduced Gram matrix, then a distributed
-    log-sum-exp) returns its second-round statistics then. Return None when you have nothing
-    more; rounds end when no plugin returns anything. Names must be unique across plugins:
-    prefix them with your plugin's name. Must return the same names on every rank."""
+    `kind` is "train" (at measurement steps) or "eval" (after an evaluation loop). A
+    measurement runs in rounds 0, 1, 2, ...: after each round the core reduces everything
+    returned in one flat collective per (dtype, op) and adds it to `reduced` (all rounds so
+    far), so a metric needing a second pass (eigenvectors of a reduced Gram matrix, then a
+    distributed log-sum-exp) returns its first pass at round 0 and its second pass, computed
+    from ``reduced``, at round 1. Return None for a round you have nothing for; the
+    measurement ends after the first round where no plugin returns anything. Names must be
+    unique across plugins (prefix them with your plugin's name) and identical on every rank."""
 
 
 @hookspec

@@ -9,9 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-
-class SetupError(RuntimeError):
-    """The model cannot be set up for the configured method (raised before any step runs)."""
+from .errors import SetupError
 
 
 def _get(root: nn.Module, path: str) -> nn.Module:

@@ -3,7 +3,8 @@
 `AnisoPlugins(config)` registers the built-in `default_plugins` module and every module of the
 ``aniso_plugins`` entry-point group, asks each of them for plugin objects
 (`aniso_make_plugins`), registers those, and then offers one method per event of the hook
-specs. Adapters call these methods; they never call hooks directly.
+specs, plus the measurement rounds. It holds no training policy: when loss terms and metrics
+are due is `aniso_plugins.TrainingSession`'s, which is what adapters talk to.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import pluggy
 import torch
 
 from . import hookspecs
-from .config import AnisoConfig
-from .loss import attach_loss
+from .config import AnisoConfig, ConfigError
 from .model import ModelHandle
 from .reduce import Stat, reduce_stats
 from .state import load_state, save_state
-from .steps import StepInfo
+from .steps import RunInfo, StepInfo
 
 logger = logging.getLogger("aniso_plugins")
 
@@ -35,7 +35,7 @@ def _plugin_name(plugin: object) -> str:
 
 
 class AnisoPlugins:
-    """The plugins configured for one training run, and the events that drive them.
+    """The plugins configured for one training run, and one method per hook.
 
     config: the run's `AnisoConfig`.
     plugins: extra plugin objects or modules to register (a third party's own, or tests').
@@ -62,10 +62,11 @@ class AnisoPlugins:
     def register(self, plugin: object, name: str | None = None) -> object:
         """Register a plugin object or module; returns it. Names must be unique."""
         name = name or _plugin_name(plugin)
-        if self.pm.get_plugin(name) is not None:
-            raise ValueError(
-                f"a plugin named {name!r} is already registered (entry-point modules are registered "
-                "under their entry-point name: give plugin objects other names)"
+        existing = self.pm.get_plugin(name)
+        if existing is not None:
+            raise ConfigError(
+                f"two plugins are named {name!r} ({_describe(existing)} and {_describe(plugin)}): plugin names "
+                "must be unique; give one of them another `name`"
             )
         self.pm.register(plugin, name=name)
         return plugin
@@ -79,18 +80,23 @@ class AnisoPlugins:
         """Names of the registered plugins, modules included."""
         return [name for name, _ in self.pm.list_name_plugin()]
 
+    def implements(self, hook: str) -> bool:
+        """Whether any registered plugin implements the hook called `hook`."""
+        return bool(getattr(self.pm.hook, hook).get_hookimpls())
+
     # --- events -----------------------------------------------------------------------------
     def setup(self, model: ModelHandle) -> None:
-        """Head surgery and probes; once, before the optimizer exists and the model is wrapped."""
+        """Head surgery, probes and model-dependent checks; once, before the optimizer exists
+        and the model is wrapped."""
         self.pm.hook.aniso_setup(model=model, config=self.config)
+
+    def begin_training(self, run: RunInfo) -> None:
+        """Training starts or resumes."""
+        self.pm.hook.aniso_begin_training(run=run)
 
     def targets(self, targets: torch.Tensor, step: StepInfo) -> None:
         """Targets of a training micro-batch (causal shift done), before its forward."""
         self.pm.hook.aniso_targets(targets=targets, step=step)
-
-    def applies_loss_terms(self, step: StepInfo) -> bool:
-        """Whether loss terms are due on this micro-batch (once per optimizer step by default)."""
-        return self.config.reg_every_microbatch or step.last_micro_batch
 
     def loss_terms(self, step: StepInfo) -> torch.Tensor | None:
         """Sum of the plugins' loss terms for this micro-batch (None if there are none).
@@ -105,14 +111,6 @@ class AnisoPlugins:
                 total = term if total is None else total + term
         self.last_loss_terms = values
         return total
-
-    def attach_loss_terms(self, output: torch.Tensor, step: StepInfo, scale: float = 1.0) -> torch.Tensor:
-        """`output` with the step's loss terms attached (see `aniso_plugins.loss.attach_loss`),
-        or unchanged when no term is due on this micro-batch."""
-        if not self.applies_loss_terms(step):
-            return output
-        total = self.loss_terms(step)
-        return output if total is None else attach_loss(output, total, scale)
 
     def step_end(self, step: StepInfo) -> None:
         """After the optimizer step."""
@@ -129,9 +127,9 @@ class AnisoPlugins:
         if kind not in ("train", "eval"):
             raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
         reduced: dict[str, torch.Tensor] = {}
-        for _ in range(MAX_METRIC_ROUNDS):
+        for round_index in range(MAX_METRIC_ROUNDS):
             stats: dict[str, Stat] = {}
-            for part in self.pm.hook.aniso_metric_stats(step=step, kind=kind, reduced=reduced):
+            for part in self.pm.hook.aniso_metric_stats(step=step, kind=kind, round_index=round_index, reduced=reduced):
                 for name, stat in (part or {}).items():
                     if name in stats or name in reduced:
                         raise ValueError(f"two metric statistics are named {name!r}")
@@ -176,11 +174,11 @@ class AnisoPlugins:
         """Load a file written by `save` under a compatible configuration."""
         self.load_state_dict(load_state(path, self.config.to_dict()))
 
-    def metrics_due(self, step: int, trainer_logs: bool) -> bool:
-        """Whether `step` is a measurement step: every ``config.metrics_every`` steps, or at the
-        trainer's own logging steps (`trainer_logs`) when that is None."""
-        every = self.config.metrics_every
-        return trainer_logs if every is None else step % every == 0
+
+def _describe(plugin: object) -> str:
+    if isinstance(plugin, type(os)):
+        return f"module {plugin.__name__}"
+    return f"{type(plugin).__module__}.{type(plugin).__qualname__}"
 
 
 __all__ = ["AnisoPlugins", "ENTRY_POINT_GROUP", "METRIC_PREFIX", "logger"]

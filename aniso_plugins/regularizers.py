@@ -36,7 +36,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .distributed import _chunk_bounds, local_rows
+from .distributed import ceil_div, chunk_bounds, local_rows
 from .linalg import all_reduce_sum_shared, gram_stats, singular_values
 
 Prior = Literal["poly", "exp", "ratio"]
@@ -147,8 +147,8 @@ class _HingeExact(_GradientInForward):
     def forward(ctx, unit, valid, offset, total, margin, block, scale, group):
         n, d = unit.shape
         world = 1 if group is None else dist.get_world_size(group)
-        shard = -(-total // world)  # rows on the largest shard (torch.chunk partition)
-        rounds = -(-shard // block)
+        shard = ceil_div(total, world)  # rows on the largest shard (torch.chunk partition)
+        rounds = ceil_div(shard, block)
         flagged = torch.cat([unit, valid.unsqueeze(1).to(unit.dtype)], 1)
         grad = torch.zeros_like(unit) if ctx.needs_input_grad[0] else None
         value = torch.zeros((), dtype=torch.float64, device=unit.device)
@@ -186,7 +186,7 @@ def _column_block(
     dist.all_gather(gathered, padded.contiguous(), group=group)
     ids = []
     for r in range(world):
-        lo, hi = _chunk_bounds(total, r, world)
+        lo, hi = chunk_bounds(total, r, world)
         rid = torch.arange(lo + start, lo + start + block, device=flagged.device)
         ids.append(torch.where(rid < hi, rid, torch.full_like(rid, -1)))
     return torch.cat(gathered), torch.cat(ids)

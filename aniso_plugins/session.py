@@ -1,33 +1,57 @@
-"""What every trainer adapter needs between its trainer's events and the hooks.
+"""The one object a trainer adapter talks to: a training run's plugins plus the bookkeeping
+every adapter needs between its trainer's events and the hooks.
 
-An adapter translates its trainer's events into calls on one `TrainingSession`:
+An adapter translates its trainer's events into these calls, and nothing else::
 
-    session.setup(handle)                         before the optimizer exists / the model is wrapped
-    session.begin_micro_batch(targets, ...)       each training micro-batch, before its forward
+    session = TrainingSession(config, plugins, owns_loss=...)
+    session.setup(handle)                        before the optimizer exists / the model is wrapped
+    session.begin_training(epoch_steps=..., start_step=..., accumulation_steps=...,
+                           loss_scale=..., grad_scaler=...)
+    session.load_state_dict(...) / session.load(dir)      when resuming (before or after begin_training)
+    session.begin_micro_batch(targets, step=..., ...)     each training micro-batch, before its forward
     (forward: the head's forward hook attaches the loss terms on the micro-batch they are due)
-    session.end_step(step)                        after the optimizer step
-    session.measure(step)                         at measurement steps, on every rank
-    session.eval_targets = targets                each evaluation batch, before its forward
-                                                  (the head's output feeds aniso_eval_batch)
+    session.end_step(step)                       after the optimizer step
+    session.measure_and_log(step, "train", sink) at steps where `measures_at` says so, every rank
+    with session.evaluating(targets): ...       around each evaluation batch's forward
+    session.measure_and_log(step, "eval", sink) after the evaluation loop
 
-The session numbers micro-batches within a step, decides when loss terms are due and attaches
-them inside the head's forward (`aniso_plugins.loss.attach_loss`), so adapters hold no such
-bookkeeping and no method math.
+The session numbers micro-batches within a step, decides when loss terms and metrics are due,
+attaches loss terms inside the head's forward (`aniso_plugins.loss.attach_loss`) with the
+adapter's gradient scale (and the fp16 grad scaler's), and feeds the head's evaluation output to
+the plugins, so adapters hold no bookkeeping and no method math. docs/design.md follows one
+micro-batch through each adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .config import AnisoConfig, ConfigError
-from .model import ModelHandle
+from .loss import attach_loss
+from .model import ModelHandle, SetupError
 from .plugins import AnisoPlugins
-from .state import check_compatible
-from .steps import StepInfo
+from .state import check_compatible, load_state
+from .steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
+
+logger = logging.getLogger("aniso_plugins")
+
+MetricsSink = Callable[[dict[str, float]], Any]
+"""Where an adapter hands finished metrics: its trainer's own logger."""
+
+
+class GradScaler(Protocol):
+    """What the session reads of a mixed-precision gradient scaler (``torch.amp.GradScaler``)."""
+
+    def is_enabled(self) -> bool: ...
+
+    def get_scale(self) -> float: ...
 
 
 def causal_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -37,24 +61,33 @@ def causal_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
+def batch_targets(batch: Any, ignore_index: int = -100) -> torch.Tensor | None:
+    """The head-aligned targets of a dict-like batch, as transformers computes its loss:
+    ``batch["shift_labels"]`` when present (already aligned), else the causal shift of
+    ``batch["labels"]``; None when the batch has neither."""
+    if not isinstance(batch, Mapping):
+        return None
+    if batch.get("shift_labels") is not None:
+        return batch["shift_labels"]
+    labels = batch.get("labels")
+    return None if labels is None else causal_targets(labels, ignore_index)
+
+
 class TrainingSession:
     """One training run's plugins plus the adapter-side bookkeeping.
 
     config / plugins: as for `AnisoPlugins`.
-    loss_scale: the gradient weight of the loss terms, chosen by the adapter for its
-        trainer's data-parallel reduction (1 when gradients are averaged over ranks, as in
-        DDP and FSDP2 defaults; 1/world when they are summed, as in torchtitan).
-    owns_loss: whether the adapter computes the loss itself and can run the fused AGG
-        cross-entropy (``config.agg_fused``); others refuse that setting at construction.
+    owns_loss: whether the adapter computes the loss itself and so can let the LM head return
+        the fused AGG cross-entropy (``config.agg_fused``); others refuse that setting here.
     """
 
     def __init__(
         self,
         config: AnisoConfig | None = None,
         plugins: Iterable[object] = (),
-        loss_scale: float = 1.0,
+        *,
         owns_loss: bool = False,
-    ):
+    ) -> None:
         if config is not None and config.method == "agg" and config.agg_fused and not owns_loss:
             raise ConfigError(
                 "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
@@ -62,48 +95,109 @@ class TrainingSession:
             )
         self.plugins = AnisoPlugins(config, plugins)
         self.config = self.plugins.config
-        self.loss_scale = loss_scale
+        self.owns_loss = owns_loss
         self.handle: ModelHandle | None = None
-        self.epoch_steps: int | None = None
+        self.run: RunInfo | None = None
+        self._loss_scale = 1.0
+        self._grad_scaler: GradScaler | None = None
         self._micro_batch = 0
         self._current: StepInfo | None = None
         self._loss_due = False
+        self._eval: TargetChunks | None = None
+        self._pending_state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
         self._hook = None
-        self.eval_targets: torch.Tensor | None = None
-        """Targets of the evaluation batch being run (set by the adapter, None otherwise): the
-        head's output in eval mode is then handed to the plugins with them."""
+
+    # --- what the adapter asks ----------------------------------------------------------------
+    @property
+    def head_computes_loss(self) -> bool:
+        """Whether the LM head returns a training micro-batch's loss itself (the fused AGG
+        cross-entropy, normalized by the micro-batch's ``loss_normalizer``) instead of logits:
+        only for an adapter that owns the loss and ``config.agg_fused``."""
+        return self.owns_loss and self.config.method == "agg" and self.config.agg_fused
+
+    @property
+    def wants_eval_batches(self) -> bool:
+        """Whether any plugin reads evaluation batches (adapters may skip `evaluating` if not)."""
+        return self.plugins.implements("aniso_eval_batch")
+
+    def measures_at(self, step: int, trainer_logs: bool) -> bool:
+        """Whether metrics are measured after optimizer step `step`: every
+        ``config.metrics_every`` steps, or at the trainer's own logging steps (`trainer_logs`)
+        when that is None."""
+        every = self.config.metrics_every
+        return trainer_logs if every is None else step % every == 0
 
     # --- set-up -----------------------------------------------------------------------------
     def setup(self, handle: ModelHandle) -> None:
-        """Run the plugins' set-up (head surgery) and hook the final head's output so loss
-        terms can be attached. Call once, before the optimizer is built."""
+        """Run the plugins' set-up (head surgery, model-dependent checks) and hook the final
+        head's output (loss terms, evaluation batches). Once, before the optimizer is built."""
         if self.handle is not None:
-            raise RuntimeError("TrainingSession.setup was already called for this run")
+            raise SetupError("TrainingSession.setup was already called for this run")
         self.plugins.setup(handle)
         self.handle = handle
         self._hook = handle.head().register_forward_hook(self._on_head_output)
 
-    def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
-        if not module.training:
-            if self.eval_targets is not None:
-                self.eval_batch(output, self.eval_targets)
-            return None
-        if not (self._loss_due and torch.is_grad_enabled()):
-            return None
-        self._loss_due = False
-        return self.plugins.attach_loss_terms(output, self._current, self.loss_scale)
+    def begin_training(
+        self,
+        *,
+        epoch_steps: int | None = None,
+        start_step: int = 0,
+        accumulation_steps: int = 1,
+        loss_scale: float = 1.0,
+        grad_scaler: GradScaler | None = None,
+    ) -> RunInfo:
+        """Training starts or resumes; the plugins learn what the trainer knows.
+
+        epoch_steps: optimizer steps per epoch (`epoch_length` computes it), None if unknown;
+        start_step: optimizer steps already done; accumulation_steps: micro-batches per step;
+        loss_scale: gradient weight of the loss terms for the trainer's data-parallel
+            reduction (1 when gradients are averaged over ranks, as DDP and FSDP2 do; 1/world
+            when they are summed, as torchtitan does);
+        grad_scaler: the trainer's fp16 gradient scaler, if any: backward runs on the scaled
+            loss, so the loss terms are scaled by its current scale too.
+        State loaded before this call is restored right after the plugins' hook."""
+        if self.handle is None:
+            raise SetupError("TrainingSession.setup(handle) must run before begin_training")
+        self.run = RunInfo(epoch_steps=epoch_steps, start_step=start_step, accumulation_steps=accumulation_steps)
+        self._loss_scale = loss_scale
+        self._grad_scaler = grad_scaler
+        self.plugins.begin_training(self.run)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.plugins.load_state_dict(state)
+        return self.run
+
+    @staticmethod
+    def epoch_length(batches: object, accumulation_steps: int) -> int | None:
+        """Optimizer steps per epoch of `batches` micro-batches (a count or a sized loader);
+        None when unknown or infinite."""
+        return optimizer_steps_per_epoch(batches, accumulation_steps)
+
+    def targets_of(self, batch: Any) -> torch.Tensor | None:
+        """`batch_targets` with this run's ``ignore_index``."""
+        return batch_targets(batch, self.config.ignore_index)
 
     # --- training ---------------------------------------------------------------------------
     def begin_micro_batch(
-        self, targets: torch.Tensor, *, step: int, accumulation_steps: int = 1, measure: bool = False
+        self,
+        targets: torch.Tensor,
+        *,
+        step: int,
+        accumulation_steps: int = 1,
+        measure: bool = False,
+        head_calls: int = 1,
+        loss_normalizer: torch.Tensor | None = None,
     ) -> StepInfo:
         """Announce a training micro-batch (targets already aligned with the head's output).
 
         step: 1-based index of the optimizer step this micro-batch belongs to;
         accumulation_steps: micro-batches in this step (a trainer's last window of an epoch
-        may be shorter); measure: whether metrics are measured after this step."""
-        if self.handle is None:
-            raise RuntimeError("TrainingSession.setup(handle) must run before training")
+        may be shorter); measure: whether metrics are measured after this step;
+        head_calls / loss_normalizer: see `StepInfo` (torchtitan's chunked loss)."""
+        if self.run is None:
+            raise SetupError("TrainingSession.begin_training(...) must run before the first micro-batch")
+        if self.head_computes_loss and loss_normalizer is None:
+            raise SetupError("agg_fused: the head computes the loss, so begin_micro_batch needs loss_normalizer")
         if self._current is not None and self._current.step != step:
             self._micro_batch = 0
         info = StepInfo(
@@ -111,12 +205,13 @@ class TrainingSession:
             micro_batch=self._micro_batch,
             accumulation_steps=max(accumulation_steps, self._micro_batch + 1),
             measure=measure,
-            epoch_steps=self.epoch_steps,
+            head_calls=head_calls,
+            loss_normalizer=loss_normalizer,
         )
         self._micro_batch += 1
         self._current = info
         self.plugins.targets(targets, info)
-        self._loss_due = self.plugins.applies_loss_terms(info)
+        self._loss_due = self.config.reg_every_microbatch or info.last_micro_batch
         return info
 
     def end_step(self, step: int) -> None:
@@ -126,13 +221,53 @@ class TrainingSession:
         self._micro_batch = 0
         self._loss_due = False
 
+    def _gradient_scale(self) -> float:
+        scaler = self._grad_scaler
+        amp = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        return self._loss_scale * amp
+
+    def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
+        if self._eval is not None:
+            targets = self._eval.take()
+            if targets is not None:
+                self.plugins.eval_batch(output.detach(), targets)
+            return None
+        if not (module.training and self._loss_due and torch.is_grad_enabled()):
+            return None
+        self._loss_due = False
+        total = self.plugins.loss_terms(self._current)
+        return output if total is None else attach_loss(output, total, self._gradient_scale())
+
+    # --- measurement ------------------------------------------------------------------------
     def measure(self, step: int, kind: str = "train") -> dict[str, float]:
         """Metrics (``aniso/...``) at `step`; collective, identical on every rank."""
-        return self.plugins.measure(StepInfo(step=step, measure=True, epoch_steps=self.epoch_steps), kind)
+        return self.plugins.measure(StepInfo(step=step, measure=True), kind)
 
-    def eval_batch(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
-        """An evaluation batch: logits and targets aligned with them (`causal_targets`)."""
-        self.plugins.eval_batch(logits.detach(), targets)
+    def measure_and_log(
+        self, step: int, kind: str = "train", sink: MetricsSink | None = None, prefix: str = ""
+    ) -> dict[str, float]:
+        """Measure (collective: every rank), hand the metrics, named ``prefix + "aniso/..."``,
+        to `sink` (the trainer's own logger; skipped when there are none), then to the plugins'
+        `aniso_log`, in that order. Returns them."""
+        metrics = {prefix + name: value for name, value in self.measure(step, kind).items()}
+        if metrics and sink is not None:
+            sink(metrics)
+        self.plugins.log(metrics, step, kind)
+        return metrics
+
+    @contextlib.contextmanager
+    def evaluating(self, targets: torch.Tensor | None, head_calls: int = 1) -> Iterator[None]:
+        """While inside, the head's outputs are evaluation logits for `targets` (aligned with
+        them; the i-th of `head_calls` head calls gets the i-th equal chunk of the last
+        dimension) and go to the plugins' `aniso_eval_batch`. None targets: nothing is fed."""
+        if targets is None or not self.wants_eval_batches:
+            yield
+            return
+        self._eval = TargetChunks(targets, head_calls)
+        try:
+            yield
+        finally:
+            self._eval = None
 
     # --- state ------------------------------------------------------------------------------
     STATE_FILE = "aniso_state.safetensors"
@@ -143,9 +278,10 @@ class TrainingSession:
         return {"config": self.config.to_dict(), "plugins": self.plugins.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output, refusing one from an incompatible configuration."""
+        """Restore `state_dict()` output, refusing one from an incompatible configuration.
+        Before `begin_training` it is kept and restored when training begins."""
         check_compatible(state["config"], self.config.to_dict(), "checkpointed aniso_plugins state")
-        self.plugins.load_state_dict(state["plugins"])
+        self._restore(state["plugins"])
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plugins' state into `directory` (call on one rank); returns the path."""
@@ -158,8 +294,13 @@ class TrainingSession:
         path = os.path.join(os.fspath(directory), self.STATE_FILE)
         if not os.path.exists(path):
             return False
-        self.plugins.load(path)
+        self._restore(load_state(path, self.config.to_dict()))
         return True
 
+    def _restore(self, plugin_state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        if self.run is None:
+            self._pending_state = plugin_state
+        else:
+            self.plugins.load_state_dict(plugin_state)
 
-__all__ = ["TrainingSession", "causal_targets"]
+__all__ = ["GradScaler", "MetricsSink", "TrainingSession", "batch_targets", "causal_targets"]

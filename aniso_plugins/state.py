@@ -16,14 +16,12 @@ from collections.abc import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from .errors import StateError
+
 FORMAT = "aniso_plugins.state"
 FORMAT_VERSION = 1
 # Fields whose change makes saved state meaningless (the rest, e.g. metric cadence, may change on resume).
 STATE_FIELDS = ("method", "head", "alpha", "window", "special_ids", "ignore_index", "lowrank_rank")
-
-
-class StateError(RuntimeError):
-    """A state file cannot be loaded into this configuration."""
 
 
 def save_state(path: str | os.PathLike, state: Mapping[str, Mapping[str, torch.Tensor]], config: Mapping) -> None:

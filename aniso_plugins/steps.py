@@ -1,29 +1,93 @@
-"""Where training is: the step index every hook receives."""
+"""Where training is: what the adapter tells the plugins about the run and about each step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from .distributed import ceil_div
+
 
 @dataclass(frozen=True)
+class RunInfo:
+    """What the adapter knows when training begins (`aniso_begin_training`).
+
+    epoch_steps: optimizer steps per epoch, if the trainer knows it (AGG's default window);
+        None for streaming data.
+    start_step: optimizer steps already done (0 for a fresh run, the checkpoint's step when
+        resuming).
+    accumulation_steps: micro-batches per optimizer step (gradient accumulation).
+    """
+
+    epoch_steps: int | None = None
+    start_step: int = 0
+    accumulation_steps: int = 1
+
+
+@dataclass(frozen=True, eq=False)
 class StepInfo:
     """Position in training, as the adapter reports it.
 
     step: 1-based index of the optimizer step being computed (completed steps + 1; after
         `aniso_step_end` the trainer's own counter equals it).
     micro_batch: 0-based index of the micro-batch within the step.
-    accumulation_steps: micro-batches per optimizer step (gradient accumulation), if known.
+    accumulation_steps: micro-batches in this optimizer step (gradient accumulation).
     measure: whether metrics will be measured at the end of this step.
-    epoch_steps: optimizer steps per epoch, if the adapter knows it (AGG's default window).
+    head_calls: how many times the LM head runs on this micro-batch: once per equal chunk of
+        the targets' last dimension, in order (torchtitan's chunked loss; 1 elsewhere).
+    loss_normalizer: only where the adapter owns the loss (torchtitan): the divisor of this
+        micro-batch's summed token loss, for a head that computes the loss itself.
     """
 
     step: int
     micro_batch: int = 0
     accumulation_steps: int = 1
     measure: bool = False
-    epoch_steps: int | None = None
+    head_calls: int = 1
+    loss_normalizer: torch.Tensor | None = None
 
     @property
     def last_micro_batch(self) -> bool:
         """True on the micro-batch after which the optimizer steps."""
         return self.micro_batch == self.accumulation_steps - 1
+
+
+def optimizer_steps_per_epoch(batches: object, accumulation_steps: int) -> int | None:
+    """Optimizer steps in one epoch of `batches` micro-batches (a number, or a sized object such
+    as a DataLoader) under `accumulation_steps`; None when the length is unknown or infinite."""
+    try:
+        n = batches if isinstance(batches, (int, float)) else len(batches)  # type: ignore[arg-type]
+    except TypeError:  # an iterable dataset without a length
+        return None
+    if n is None or n != n or n == float("inf"):
+        return None
+    return ceil_div(int(n), max(int(accumulation_steps), 1))
+
+
+class TargetChunks:
+    """A micro-batch's targets handed out one chunk per call of the LM head, in order.
+
+    `targets` is split into `chunks` equal pieces along its last dimension (the sequence),
+    exactly as torchtitan's chunked loss splits the hidden states; with ``chunks=1`` the one
+    piece is the whole tensor. `take` returns the next piece, or None when all were used."""
+
+    def __init__(self, targets: torch.Tensor, chunks: int = 1) -> None:
+        if chunks < 1:
+            raise ValueError(f"chunks={chunks!r}: expected an integer >= 1")
+        self._pieces = list(targets.chunk(chunks, dim=-1)) if chunks > 1 else [targets]
+        self._next = 0
+
+    def take(self) -> torch.Tensor | None:
+        if self._next >= len(self._pieces):
+            return None
+        piece = self._pieces[self._next]
+        self._next += 1
+        return piece
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= len(self._pieces)
+
+
+__all__ = ["RunInfo", "StepInfo", "TargetChunks", "optimizer_steps_per_epoch"]

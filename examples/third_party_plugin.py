@@ -44,8 +44,8 @@ class HeadNormPlugin:
         return {"head_l2": self.coef * weight.float().pow(2).sum()}
 
     @hookimpl
-    def aniso_metric_stats(self, step, kind, reduced):
-        if kind != "train" or "head_norm/sq" in reduced:
+    def aniso_metric_stats(self, step, kind, round_index, reduced):
+        if kind != "train" or round_index > 0:  # one round: a sum over this rank's rows
             return None
         rows = local_rows(self.model.head().weight.detach()).rows.double()
         return {

@@ -6,7 +6,7 @@
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[AnisoCallback(AnisoConfig(method="agg"))])
 
-What the callback does with the Trainer (transformers 5.x; see shared/docs/hf-and-lightning.md):
+What the callback does with the Trainer (transformers 5.x; docs/design.md walks through it):
 
 - ``on_init_end`` (inside ``Trainer.__init__``, before the optimizer exists and before
   accelerate wraps the model): head surgery through `aniso_plugins.TrainingSession.setup`.
@@ -30,18 +30,14 @@ What the callback does with the Trainer (transformers 5.x; see shared/docs/hf-an
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 
-from .. import AnisoConfig, SetupError
-from ..model import OutputEmbeddingsHandle
-from ..session import TrainingSession, causal_targets
+from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
 
 try:
     from transformers import PreTrainedModel, Trainer, TrainerCallback
@@ -126,11 +122,8 @@ class AnisoCallback(TrainerCallback):
             return training_step(model, inputs, num_items_in_batch)
 
         def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None):
-            self.session.eval_targets = self._targets_of(inputs)
-            try:
+            with self.session.evaluating(self.session.targets_of(inputs)):
                 return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
-            finally:
-                self.session.eval_targets = None
 
         def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
             ckpt = resume_from_checkpoint
@@ -143,23 +136,14 @@ class AnisoCallback(TrainerCallback):
         trainer.prediction_step = prediction_step_with_targets
         trainer.train = train_remembering_checkpoint
 
-    def _targets_of(self, inputs: dict[str, Any]) -> torch.Tensor | None:
-        if inputs.get("shift_labels") is not None:
-            return inputs["shift_labels"]
-        labels = inputs.get("labels")
-        return None if labels is None else causal_targets(labels, self.config.ignore_index)
-
     def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
-        targets = self._targets_of(inputs)
+        targets = self.session.targets_of(inputs)
         if targets is None:
             raise SetupError(
                 "AnisoCallback: a training batch has no 'labels' (or 'shift_labels'); the causal-LM targets "
                 "are needed (use DataCollatorForLanguageModeling(mlm=False) or add labels)"
             )
         trainer = self.trainer
-        # fp16 AMP: backward runs on the scaled loss, so loss terms get the same scale
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        self.session.loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         self.session.begin_micro_batch(
             targets,
             step=trainer.state.global_step + 1,
@@ -184,11 +168,12 @@ class AnisoCallback(TrainerCallback):
                 "AnisoCallback was not attached: pass it as Trainer(callbacks=[...]) or call callback.attach(trainer) "
                 "before train()"
             )
-        if train_dataloader is not None:
-            try:
-                self.session.epoch_steps = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
-            except TypeError:  # iterable dataset without a length
-                self.session.epoch_steps = None
+        self.session.begin_training(
+            epoch_steps=self.session.epoch_length(train_dataloader, args.gradient_accumulation_steps),
+            start_step=state.global_step,
+            accumulation_steps=args.gradient_accumulation_steps,
+            grad_scaler=getattr(self.trainer.accelerator, "scaler", None),  # fp16 AMP
+        )
         if state.global_step > 0:
             directory = self._resume_dir or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             if self.session.load(directory):
@@ -207,36 +192,32 @@ class AnisoCallback(TrainerCallback):
         logs = (args.logging_strategy == IntervalStrategy.STEPS and state.logging_steps and step % state.logging_steps == 0) or (
             args.logging_first_step and step == 1
         )
-        return self.session.plugins.metrics_due(step, bool(logs))
+        return self.session.measures_at(step, bool(logs))
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         self.session.end_step(step)
-        if self.session.plugins.metrics_due(step, control.should_log):
-            metrics = self.session.measure(step)
-            if control.should_log:
-                self._pending = metrics  # merged into the Trainer's own record in on_log
-            elif metrics:
-                self.trainer.log(dict(metrics))
-                control.should_log = False
-            self.session.plugins.log(metrics, step)
+        if self.session.measures_at(step, control.should_log):
+            # into the Trainer's own record of this step (merged in on_log), or, at a step the
+            # Trainer does not log (metrics_every), a record of its own
+            sink = self._pending.update if control.should_log else (lambda m: self.trainer.log(dict(m)))
+            self.session.measure_and_log(step, "train", sink)
         self._measure_next = self._will_log(args, state, step + 1)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:
             return
+        def add_to_record(extra: dict[str, float]) -> None:
+            logs.update(extra)
+            if state.log_history:
+                state.log_history[-1].update(extra)
+
         if any(k.startswith(_EVAL_PREFIX) for k in logs):
-            metrics = self.session.measure(state.global_step, kind="eval")
-            extra = {_EVAL_PREFIX + k: v for k, v in metrics.items()}
-            self.session.plugins.log(extra, state.global_step, kind="eval")
+            self.session.measure_and_log(state.global_step, "eval", add_to_record, prefix=_EVAL_PREFIX)
         elif "loss" in logs and self._pending:
             extra, self._pending = self._pending, {}
-        else:
-            return
-        logs.update(extra)
-        if state.log_history:
-            state.log_history[-1].update(extra)
+            add_to_record(extra)
 
     def on_save(self, args, state, control, **kwargs):
         if args.should_save:

@@ -11,12 +11,14 @@ Finding the model's parts (the two knobs):
   API ``get_output_embeddings()`` (an HF model inside the module); otherwise name it:
   ``AnisoCallback(config, head="model.lm_head", input_embedding="model.embed",
   blocks="model.blocks")`` (submodule paths of the LightningModule);
-- the targets: by default ``batch["labels"]`` shifted for a causal LM (position t predicts
-  labels[t+1]); otherwise pass ``targets=lambda batch: ...`` returning ids aligned with the
-  head's output positions (``config.ignore_index`` where no loss is taken).
+- the targets: by default as transformers computes its loss, ``batch["shift_labels"]`` if
+  present, else ``batch["labels"]`` shifted for a causal LM (position t predicts labels[t+1]);
+  otherwise pass ``targets=lambda batch: ...`` returning ids aligned with the head's output
+  positions (``config.ignore_index`` where no loss is taken).
 
-How it maps onto Lightning 2.6 (shared/docs/hf-and-lightning.md, Part B): head surgery in
-``setup`` (before ``configure_model``, wrapping and optimizers); targets in
+How it maps onto Lightning 2.6 (docs/design.md walks through it): head surgery in
+``setup`` (before ``configure_model``, wrapping and optimizers); the run's facts (epoch
+length, accumulation, the 16-mixed grad scaler) in ``on_train_start``; targets in
 ``on_train_batch_start``; loss terms attached in the head's forward on the last micro-batch of
 each optimizer step (before clipping, once per step under ``accumulate_grad_batches``; DDP and
 FSDP2 average identical per-rank terms); metrics measured on every rank after the optimizer
@@ -27,14 +29,13 @@ checkpoint through ``state_dict`` / ``load_state_dict``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from .. import AnisoConfig, SetupError
-from ..model import find_handle
-from ..session import TrainingSession, causal_targets
+from aniso_plugins import AnisoConfig, SetupError, TrainingSession, find_handle
 
 try:
     import lightning.pytorch as pl
@@ -67,20 +68,22 @@ class AnisoCallback(pl.Callback):
         self.session = TrainingSession(config, plugins)
         self.config = self.session.config
         self._paths = dict(head=head, input_embedding=input_embedding, blocks=blocks)
-        self._targets = targets or self._labels_shifted
+        self._targets = targets or self._batch_targets
         self._stepped_at: int | None = None
+        self._eval_batch = contextlib.ExitStack()  # session.evaluating(...) from batch start to end
 
     @property
     def state_key(self) -> str:
         return self._generate_state_key(method=self.config.method, head=self.config.head)
 
-    def _labels_shifted(self, batch: Any) -> torch.Tensor:
-        if not isinstance(batch, dict) or "labels" not in batch:
+    def _batch_targets(self, batch: Any) -> torch.Tensor:
+        targets = self.session.targets_of(batch)
+        if targets is None:
             raise SetupError(
-                "AnisoCallback: the batch is not a dict with 'labels'; pass targets=lambda batch: ... returning "
-                "the next-token ids aligned with the LM head's output"
+                "AnisoCallback: the batch is not a dict with 'labels' (or 'shift_labels'); pass "
+                "targets=lambda batch: ... returning the next-token ids aligned with the LM head's output"
             )
-        return causal_targets(batch["labels"], self.config.ignore_index)
+        return targets
 
     # --- set-up -----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -91,10 +94,13 @@ class AnisoCallback(pl.Callback):
         self.session.setup(find_handle(pl_module, **self._paths))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        try:
-            self.session.epoch_steps = -(-trainer.num_training_batches // trainer.accumulate_grad_batches)
-        except (TypeError, OverflowError):  # infinite or unknown length
-            self.session.epoch_steps = None
+        acc = trainer.accumulate_grad_batches
+        self.session.begin_training(
+            epoch_steps=self.session.epoch_length(trainer.num_training_batches, acc),
+            start_step=trainer.global_step,
+            accumulation_steps=acc,
+            grad_scaler=getattr(trainer.precision_plugin, "scaler", None),  # 16-mixed AMP
+        )
 
     # --- training ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -103,9 +109,6 @@ class AnisoCallback(pl.Callback):
         window = acc if total == float("inf") else min(acc, int(total) - window_start)
         last = batch_idx - window_start == window - 1
         step = trainer.global_step + 1
-        # 16-mixed AMP: backward runs on the scaled loss, so loss terms get the same scale
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        self.session.loss_scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         self.session.begin_micro_batch(
             self._targets(batch), step=step, accumulation_steps=window, measure=last and self._due(trainer, step)
         )
@@ -115,7 +118,7 @@ class AnisoCallback(pl.Callback):
         """Measure when Lightning writes this step's logs (every ``log_every_n_steps``
         optimizer steps), or every ``config.metrics_every`` steps."""
         every = trainer.log_every_n_steps
-        return self.session.plugins.metrics_due(step, bool(every) and step % every == 0)
+        return self.session.measures_at(step, bool(every) and step % every == 0)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         step = self._stepped_at
@@ -123,25 +126,22 @@ class AnisoCallback(pl.Callback):
             return
         self.session.end_step(step)
         if self._due(trainer, step):
-            metrics = self.session.measure(step)
-            if metrics:
-                pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
-            self.session.plugins.log(metrics, step)
+            log = lambda m: pl_module.log_dict(m, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)  # noqa: E731
+            self.session.measure_and_log(step, "train", log)
 
     # --- evaluation -------------------------------------------------------------------------
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
-        if not trainer.sanity_checking:
-            self.session.eval_targets = self._targets(batch)
+        if not trainer.sanity_checking and self.session.wants_eval_batches:
+            self._eval_batch.enter_context(self.session.evaluating(self._targets(batch)))
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-        self.session.eval_targets = None
+        self._eval_batch.close()
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        metrics = self.session.measure(trainer.global_step, kind="eval")
-        if metrics:
-            pl_module.log_dict({_VAL_PREFIX + k: v for k, v in metrics.items()}, sync_dist=False, batch_size=1)
+        log = lambda m: pl_module.log_dict(m, sync_dist=False, batch_size=1)  # noqa: E731
+        self.session.measure_and_log(trainer.global_step, "eval", log, prefix=_VAL_PREFIX)
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

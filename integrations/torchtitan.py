@@ -1,6 +1,6 @@
-"""torchtitan 0.3.0 adapter: the ``--aniso.*`` flags, the fused AGG head, metrics and DCP state.
+"""torchtitan 0.3.0 adapter: the ``--aniso.*`` flags, the chunked loss, metrics and DCP state.
 
-Two ways to turn aniso_plugins on (shared/docs/torchtitan.md §2.3-2.4, §7.2):
+Two ways to turn aniso_plugins on (docs/design.md, "torchtitan"):
 
 1. Recipes (flags)::
 
@@ -15,32 +15,34 @@ Two ways to turn aniso_plugins on (shared/docs/torchtitan.md §2.3-2.4, §7.2):
 
 2. Overrides on a stock recipe (``--module llama3 --config llama3_8b``)::
 
-       --training.disable_cuda_graphs --override.imports aniso_plugins.integrations.torchtitan.aniso_head,\\
-       aniso_plugins.integrations.torchtitan.aniso_metrics,\\
+       --training.disable_cuda_graphs --override.imports aniso_plugins.integrations.torchtitan.aniso_metrics,\\
        aniso_plugins.integrations.torchtitan.aniso_checkpoint \\
        'aniso_plugins.integrations.torchtitan.aniso_loss={"method": "agg", "window": 1000}'
 
-   `aniso_loss` carries the configuration (the `AnisoConfig` fields as JSON), `aniso_head`
-   swaps the LM head for `AnisoHead` (needed for AGG), `aniso_metrics` logs the metrics,
-   `aniso_checkpoint` connects the run to the trainer and checkpoints the plugin state
-   (required: without it the loss raises at the first step).
+   `aniso_loss` carries the configuration (the `AnisoConfig` fields as JSON), `aniso_metrics`
+   logs the metrics, `aniso_checkpoint` connects the run to the trainer and checkpoints the
+   plugin state (required: without it the loss raises at the first step). The LM head stays
+   torchtitan's own module: AGG installs its gated forward on it in place
+   (`aniso_plugins.AGGForward`), as in every adapter.
 
 What runs where (torchtitan calls the loss once per micro-batch; its `ChunkedLossWrapper` calls
 the LM head once per sequence chunk):
 
-- `AnisoChunkedLoss` (a `ChunkedLossWrapper`): per training micro-batch it hands the labels to
-  `aniso_plugins.session.TrainingSession.begin_micro_batch` (AGG's token counter is updated
-  there, once per micro-batch, summed over the data-parallel ranks). With ``method="agg"`` it
-  arms `AnisoHead` and calls it once on the micro-batch's hidden states: the head returns the
-  core's fused chunked AGG cross-entropy (`aniso_plugins.agg_cross_entropy`, chunks of
-  ``agg_chunk_size`` rows, normalized by torchtitan's ``global_valid_tokens``), never the full
-  logits (``agg_fused=False``: the core's gated head `aniso_plugins.agg_linear` on each of
-  torchtitan's logit chunks). Otherwise it is torchtitan's own chunked loss, unchanged.
-  Validation calls (no ``global_valid_tokens``) are torchtitan's loss, untouched: no counting,
-  no loss terms; with ``eval`` metrics each chunk's logits feed ``aniso_eval_batch``.
+- `AnisoChunkedLoss` (a `ChunkedLossWrapper`): per training micro-batch it hands the labels,
+  the number of head calls (``num_chunks``) and torchtitan's ``global_valid_tokens`` to
+  `aniso_plugins.TrainingSession.begin_micro_batch`; the plugins do the rest (AGG counts the
+  targets, summed over the data-parallel ranks, and arms the head). When the session says the
+  head computes the loss (``method="agg"`` with ``agg_fused``, the default here) it calls the
+  head once on the micro-batch's hidden states and returns what the head returns: the core's
+  fused chunked AGG cross-entropy normalized by ``global_valid_tokens``, never the full
+  logits. Otherwise it is torchtitan's own chunked loss, whose head calls (gated by AGG with
+  ``--aniso.no-agg-fused``, one target chunk per call) are torchtitan's. Validation calls (no
+  ``global_valid_tokens``) are torchtitan's loss inside ``session.evaluating(labels,
+  num_chunks)``: no counting, no loss terms; with ``eval`` metrics each chunk's logits feed
+  ``aniso_eval_batch``.
 - Loss terms (CosReg, hinge, spectrum) are attached by the session in the head's forward, once
   per optimizer step. torchtitan SUMS gradients over data-parallel ranks, so every rank adds
-  the (identical, global) term with weight 1/dp (``TrainingSession(loss_scale=1/dp)``).
+  the (identical, global) term with weight 1/dp (``session.begin_training(loss_scale=1/dp)``).
 - After each optimizer step (an optimizer step post-hook) the session advances its counters
   and, at measurement steps, measures (collective, every rank); `AnisoMetricsProcessor` adds
   the ``aniso/...`` values to torchtitan's own log record (TensorBoard / W&B) at that step, and
@@ -61,27 +63,22 @@ config's ``enable_weight_tying=False``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import logging
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import torch
 from torch import nn
 
-from .. import AnisoConfig, ConfigError, ModelHandle, SetupError
-from ..agg import AGGGates
-from ..fused_ce import agg_cross_entropy
-from ..session import TrainingSession
+from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession
 
 try:
     import tyro
     from torch.distributed.checkpoint.stateful import Stateful
     from torchtitan.components.checkpoint import CheckpointManager
-    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper
+    from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config.override import derive, override
     from torchtitan.models.common.linear import Linear
@@ -98,9 +95,9 @@ STATE_KEY = "aniso"
 
 
 def default_config(**fields: Any) -> AnisoConfig:
-    """`AnisoConfig` with torchtitan's default ``agg_fused=True`` (AGG as the fused chunked
-    cross-entropy in `AnisoHead`; ``agg_fused=False`` gates torchtitan's own logit chunks
-    with the core's `aniso_plugins.agg_linear` instead)."""
+    """`AnisoConfig` with torchtitan's default ``agg_fused=True`` (the AGG head returns the
+    fused chunked cross-entropy; ``agg_fused=False`` gates torchtitan's own logit chunks with
+    the core's `aniso_plugins.agg_linear` instead)."""
     return AnisoConfig.from_dict({"agg_fused": True, **fields})
 
 
@@ -115,51 +112,6 @@ class TitanModelHandle(ModelHandle):
     def blocks(self) -> list[nn.Module]:
         layers = getattr(self.model, "layers", None)
         return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or ())
-
-
-class AnisoHead(Linear):
-    """torchtitan's `Linear` LM head (same ``weight``, same ``forward(input)``, same sharding
-    plan), whose forward can return the fused AGG cross-entropy instead of logits.
-
-    `arm` hands over one training micro-batch's targets, AGG gates and loss normalizer; the
-    next forward consumes them and returns (methods.md §1.5, performance.md §3.2)
-
-        Σ_{i: y_i ≠ -100} (logsumexp(W h_i) − (W h_i)_{y_i}) / global_valid_tokens
-
-    with ∂/∂h the plain cross-entropy gradient and ∂/∂W = (G ⊙ Γ)ᵀ X the AGG-gated one, computed
-    chunk by chunk by `aniso_plugins.agg_cross_entropy` inside this module's forward, where
-    FSDP2 has unsharded ``weight``. Unarmed, it is exactly ``nn.Linear.forward``.
-    """
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(Linear.Config):
-        pass
-
-    def __init__(self, config: Config) -> None:
-        super().__init__(config)
-        self._armed: tuple | None = None
-
-    def arm(self, targets: torch.Tensor, gates: AGGGates, normalizer: torch.Tensor, chunk_size: int) -> None:
-        """Targets (aligned with the output positions), the micro-batch's gates, the loss
-        normalizer and the rows per chunk for the next forward."""
-        self._armed = (targets, gates, normalizer, chunk_size)
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torchtitan's TP plan names it `input`
-        if self._armed is None:
-            return super().forward(input)
-        targets, gates, normalizer, chunk_size = self._armed
-        self._armed = None
-        return agg_cross_entropy(
-            input,
-            self.weight,
-            targets,
-            gates,
-            bias=self.bias,
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-            normalizer=normalizer,
-            chunk_size=chunk_size,
-        )
 
 
 # --- loss --------------------------------------------------------------------------------------
@@ -187,42 +139,19 @@ class AnisoChunkedLoss(ChunkedLossWrapper):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         runtime = self.runtime
         if global_valid_tokens is None or not pred.requires_grad:  # validation: torchtitan's loss
-            if runtime is None or not runtime.evaluates:
+            if runtime is None:
                 return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
-            feed = runtime.session.eval_batch  # each chunk's logits with its labels
-            with self._per_chunk(labels, lambda chunk: (lambda module, args, out: feed(out, chunk)), forward=True):
+            with runtime.session.evaluating(labels, head_calls=self.num_chunks):
                 return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
         if runtime is None:
             raise SetupError(
                 "AnisoChunkedLoss is not connected to the trainer: use an AnisoTrainer recipe, or add "
                 "aniso_plugins.integrations.torchtitan.aniso_checkpoint to --override.imports"
             )
-        gates = runtime.begin_micro_batch(labels)
-        if gates is None:
-            return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
-        config = runtime.session.config
-        if config.agg_fused:
-            self.lm_head.arm(labels, gates, global_valid_tokens, config.agg_chunk_size)
+        runtime.begin_micro_batch(labels, head_calls=self.num_chunks, loss_normalizer=global_valid_tokens)
+        if runtime.session.head_computes_loss:
             return self.lm_head(pred), {}
-        # Unfused: the AGG plugin's gated forward (agg_linear) on each of torchtitan's chunks.
-        arm = runtime.agg_head.arm
-        with self._per_chunk(labels, lambda chunk: (lambda module, args: arm(chunk, gates)), forward=False):
-            return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
-
-    @contextlib.contextmanager
-    def _per_chunk(
-        self, labels: torch.Tensor, make_hook: Callable[[torch.Tensor], Callable], forward: bool
-    ) -> Iterator[None]:
-        """While inside, the i-th LM-head call of the chunk loop runs ``make_hook(label_chunk_i)``
-        as a forward hook (`forward`) or pre-hook: torchtitan splits the sequence into
-        ``num_chunks`` equal chunks, and so does this."""
-        hooks = iter([make_hook(chunk) for chunk in labels.chunk(self.num_chunks, dim=1)])
-        call = lambda *args: next(hooks)(*args)  # noqa: E731
-        handle = self.lm_head.register_forward_hook(call) if forward else self.lm_head.register_forward_pre_hook(call)
-        try:
-            yield
-        finally:
-            handle.remove()
+        return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
 
 
 # --- metrics -----------------------------------------------------------------------------------
@@ -264,8 +193,9 @@ class AnisoMetricsProcessor(MetricsProcessor):
 
     def log_validation(self, loss: float, step: int, extra_metrics: dict[str, Any] | None = None) -> None:
         extra = dict(extra_metrics or {})
-        if self.runtime is not None and self.runtime.evaluates:
-            extra.update(self.runtime.measure_eval(step))
+        if self.runtime is not None and self.runtime.session.wants_eval_batches:
+            # collective: torchtitan validates on every rank
+            self.runtime.session.measure_and_log(step, "eval", extra.update, prefix="validation_metrics/")
         super().log_validation(loss, step, extra_metrics=extra)
 
 
@@ -369,21 +299,20 @@ class AnisoRuntime:
                 "epoch), and torchtitan's streaming data has no epoch length: pass --aniso.window K"
             )
         model = trainer.model_parts[0]
-        if config.method == "agg" and config.agg_fused and not isinstance(model.lm_head, AnisoHead):
-            raise SetupError(
-                f"method='agg' with agg_fused needs the LM head AnisoHead, got {type(model.lm_head).__name__}: use "
-                "an aniso recipe or add aniso_plugins.integrations.torchtitan.aniso_head to --override.imports"
+        session = TrainingSession(config, owns_loss=True)
+        if session.head_computes_loss and type(loss.loss_fn) is not CrossEntropyLoss:
+            raise ConfigError(
+                f"agg_fused=True: the fused AGG head computes plain cross-entropy and would replace the chunked "
+                f"loss's {type(loss.loss_fn).__name__}; pass --aniso.no-agg-fused to gate torchtitan's own chunks"
             )
         dp = _data_parallel_degree(trainer.parallel_dims)
         self.trainer = trainer
-        self.session = TrainingSession(config, loss_scale=1.0 / dp, owns_loss=True)
-        self.session.setup(TitanModelHandle(model))
-        self._agg = self.session.plugins.get("agg")
-        # Unfused: the AGG plugin's in-place gated forward (aniso_plugins.AGGHead), armed per chunk;
-        # fused: AnisoHead's own forward with the plugin's gates (the plugin installs no head).
-        self.agg_head = None if self._agg is None else self._agg.head
-        # Validation batches are fed to the plugins only if one of them evaluates (``eval`` metrics).
-        self.evaluates = bool(self.session.plugins.pm.hook.aniso_eval_batch.get_hookimpls())
+        self.session = session
+        session.setup(TitanModelHandle(model))
+        # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
+        session.begin_training(
+            start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps, loss_scale=1.0 / dp
+        )
         self.metrics = trainer.metrics_processor
         if isinstance(self.metrics, AnisoMetricsProcessor):
             self.metrics.runtime = self
@@ -399,34 +328,24 @@ class AnisoRuntime:
             checkpointer.states[STATE_KEY] = AnisoCheckpointState(self.session)
         loss.runtime = self
 
-    def begin_micro_batch(self, labels: torch.Tensor) -> AGGGates | None:
-        """Announce a training micro-batch; returns its AGG gates (None without AGG)."""
-        trainer = self.trainer
-        step = trainer.step
+    def begin_micro_batch(self, labels: torch.Tensor, head_calls: int, loss_normalizer: torch.Tensor) -> None:
+        """Announce a training micro-batch of the current step."""
+        step = self.trainer.step
         self.session.begin_micro_batch(
             labels,
             step=step,
-            accumulation_steps=trainer.gradient_accumulation_steps,
-            measure=self.session.plugins.metrics_due(step, self.metrics.should_log(step)),
+            accumulation_steps=self.trainer.gradient_accumulation_steps,
+            measure=self.session.measures_at(step, self.metrics.should_log(step)),
+            head_calls=head_calls,
+            loss_normalizer=loss_normalizer,
         )
-        return None if self._agg is None else self._agg.last_gates
-
-    def measure_eval(self, step: int) -> dict[str, float]:
-        """Evaluation metrics over the validation batches seen since the last call, named
-        ``validation_metrics/aniso/...``; collective (torchtitan validates on every rank)."""
-        metrics = {f"validation_metrics/{k}": v for k, v in self.session.measure(step, kind="eval").items()}
-        self.session.plugins.log(metrics, step, kind="eval")
-        return metrics
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
         step = self.trainer.step
         self.session.end_step(step)
-        if not self.session.plugins.metrics_due(step, self.metrics.should_log(step)):
-            return
-        metrics = self.session.measure(step)
-        if isinstance(self.metrics, AnisoMetricsProcessor):
-            self.metrics.add_aniso(metrics, step)
-        self.session.plugins.log(metrics, step)
+        if self.session.measures_at(step, self.metrics.should_log(step)):
+            sink = (lambda m: self.metrics.add_aniso(m, step)) if isinstance(self.metrics, AnisoMetricsProcessor) else None
+            self.session.measure_and_log(step, "train", sink)
 
 
 # --- the trainer and the recipes ---------------------------------------------------------------
@@ -446,8 +365,9 @@ class AnisoTrainer(Trainer):
 def aniso_trainer_config(base: Trainer.Config, aniso: AnisoConfig | None = None) -> AnisoTrainer.Config:
     """`base` (any llama-style ``Trainer.Config`` recipe with torchtitan's chunked loss) as an
     `AnisoTrainer.Config`: same fields, ``aniso`` section `aniso` (default: `default_config()`),
-    LM head `AnisoHead`, loss `AnisoChunkedLoss`, metrics `AnisoMetricsProcessor`, CUDA graphs
-    off. With ``--aniso.method none`` and no metrics the run equals `base`'s."""
+    loss `AnisoChunkedLoss`, metrics `AnisoMetricsProcessor`, CUDA graphs off. The model and
+    its LM head are the recipe's. With ``--aniso.method none`` and no metrics the run equals
+    `base`'s."""
     if not isinstance(base.loss, ChunkedLossWrapper.Config):
         raise SetupError(
             f"aniso_trainer_config: the recipe's loss is {type(base.loss).__name__}; aniso_plugins needs "
@@ -457,8 +377,6 @@ def aniso_trainer_config(base: Trainer.Config, aniso: AnisoConfig | None = None)
         raise SetupError("aniso_trainer_config: the recipe's model has no Linear lm_head")
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init and f.name != "aniso"}
     config = AnisoTrainer.Config(**values, aniso=aniso if aniso is not None else default_config())
-    model = config.model_spec.model
-    model.lm_head = derive(model.lm_head, AnisoHead.Config)
     config.loss = derive(config.loss, AnisoChunkedLoss.Config)
     config.metrics = derive(config.metrics, AnisoMetricsProcessor.Config)
     config.training.disable_cuda_graphs = True
@@ -498,17 +416,6 @@ def llama3_3b_aniso() -> AnisoTrainer.Config:
 
 # --- overrides for stock recipes (--override.imports) ------------------------------------------
 @override(
-    target=Linear.Config,
-    fqns=["model_spec.model.lm_head"],
-    exact=True,
-    description="aniso_plugins: LM head that can run the fused AGG cross-entropy",
-)
-def aniso_head(cfg: Linear.Config) -> AnisoHead.Config:
-    """``model_spec.model.lm_head``: `Linear` -> `AnisoHead` (needed for ``method="agg"``)."""
-    return derive(cfg, AnisoHead.Config)
-
-
-@override(
     target=ChunkedLossWrapper.Config,
     fqns=["loss"],
     description="aniso_plugins: chunked loss with the aniso events; kwargs are AnisoConfig fields",
@@ -545,14 +452,12 @@ __all__ = [
     "AnisoCheckpointManager",
     "AnisoCheckpointState",
     "AnisoChunkedLoss",
-    "AnisoHead",
     "AnisoMetricsProcessor",
     "AnisoRuntime",
     "AnisoTrainer",
     "STATE_KEY",
     "TitanModelHandle",
     "aniso_checkpoint",
-    "aniso_head",
     "aniso_loss",
     "aniso_metrics",
     "aniso_trainer_config",

@@ -14,11 +14,12 @@ from torch import nn
 
 from aniso_plugins import (
     AGGGates,
-    AGGHead,
+    AGGForward,
     AnisoConfig,
     AnisoPlugins,
     ConfigError,
     ModelHandle,
+    RunInfo,
     StepInfo,
     agg_cross_entropy,
     agg_gates,
@@ -431,7 +432,7 @@ def test_bf16_autocast_runs_and_is_close_to_fp32():
     assert rel_err(dW, ref_w) < 2e-2 and rel_err(dh, ref_h) < 2e-2
 
 
-# --- AGGHead --------------------------------------------------------------------------------------------
+# --- AGGForward --------------------------------------------------------------------------------------------
 
 
 class LowRankHead(nn.Module):
@@ -455,7 +456,7 @@ def test_head_reads_computed_weight_and_consumes_targets_once():
     head = LowRankHead(19, 6, 3)
     gates = agg_gates(a, 0.3)
     ref = grads(three_logit_loss(h, head.weight, y, gates), head.A, head.B)
-    installed = AGGHead(head)
+    installed = AGGForward(head)
     installed.arm(y, gates)
     got = grads(F.cross_entropy(head(h), y, ignore_index=IGN), head.A, head.B)
     for g, r in zip(got, ref):
@@ -474,9 +475,40 @@ def test_head_reads_computed_weight_and_consumes_targets_once():
         head(h)
     assert installed.armed  # neither call consumed them
     with pytest.raises(ValueError, match="already"):
-        AGGHead(head)
+        AGGForward(head)
     installed.remove()
     assert "forward" not in head.__dict__
+
+
+def test_head_in_chunks_and_fused_give_the_reference_gradient():
+    """The two other ways an adapter runs the AGG head: one call per sequence chunk (torchtitan's
+    chunked loss) and the fused loss (one call returning Σ CE / normalizer)."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 8, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 19, (2, 8), generator=g)
+    y[:, -1] = IGN
+    head = nn.Linear(6, 19, bias=False).double()
+    gates = agg_gates(torch.bincount(y[y != IGN], minlength=19).float() / 16, 0.07)
+    assert gates.rare[y[y != IGN]].any() and not gates.rare.all()
+    count = int((y != IGN).sum())
+    ref = grads(three_logit_loss(h, head.weight, y, gates) * count / 5.0, h, head.weight)  # Σ NLL / 5
+    installed = AGGForward(head, ignore_index=IGN, chunk_size=3)
+
+    installed.arm(y, gates, chunks=4)
+    parts = [head(piece) for piece in h.chunk(4, dim=1)]  # four calls, two positions each
+    assert not installed.armed
+    loss = sum(F.cross_entropy(z.reshape(-1, 19), t.reshape(-1), ignore_index=IGN, reduction="sum")
+               for z, t in zip(parts, y.chunk(4, dim=1))) / 5.0
+    for got, want in zip(grads(loss, h, head.weight), ref):
+        assert rel_err(got, want) < 1e-12
+
+    installed.arm(y, gates, loss_normalizer=torch.tensor(5.0, dtype=torch.float64))
+    fused = head(h)
+    assert fused.dim() == 0 and not installed.armed
+    for got, want in zip(grads(fused, h, head.weight), ref):
+        assert rel_err(got, want) < 1e-12
+    with pytest.raises(ValueError, match="chunks=1"):
+        installed.arm(y, gates, chunks=2, loss_normalizer=torch.tensor(5.0))
 
 
 # --- the plugin, driven as an adapter does --------------------------------------------------------------
@@ -486,6 +518,13 @@ def _plugins(**overrides):
     cfg = dict(method="agg", alpha=0.6, window=4, special_ids=(0,), metrics=(), load_entry_points=False)
     cfg.update(overrides)
     return AnisoPlugins(AnisoConfig(**cfg))
+
+
+def _ready(plugins, model, run=RunInfo(), **handle):
+    """Set up on `model` and begin training, as an adapter does."""
+    plugins.setup(ModelHandle(model, head="lm_head", **handle))
+    plugins.begin_training(run)
+    return plugins
 
 
 def _batches(steps=4, micro=2, seed=7, vocab=19):
@@ -548,16 +587,14 @@ def test_plugin_through_aniso_plugins_gives_the_reference_gradient(tmp_path):
     model = TiedLM().double()
     batches = _batches(steps=7)
     ref = _reference_run(model, batches, alpha=0.6, window=4)
-    plugins = _plugins()
-    plugins.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
+    plugins = _ready(_plugins(), model, input_embedding="embed")
     assert model.lm_head.weight is model.embed.weight  # tying kept
     got = _plugin_run(plugins, model, batches[:5])
 
     # resume from a state file into a fresh plugin set: the next steps are unchanged
     plugins.save(tmp_path / "agg.safetensors")
     plugins.get("agg").head.remove()  # as a fresh process would have the plain head
-    resumed = _plugins()
-    resumed.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
+    resumed = _ready(_plugins(), model, input_embedding="embed")
     resumed.load(tmp_path / "agg.safetensors")
     got += _plugin_run(resumed, model, batches[5:], start=6)
     for t, ((r_grads, _), g_grads) in enumerate(zip(ref, got), start=1):
@@ -578,8 +615,7 @@ def test_plugin_static_grouping_freezes_gates():
     model = TiedLM().double()
     batches = _batches(steps=6, seed=3)
     ref = _reference_run(model, batches, alpha=0.6, window=4, static_after=3)
-    plugins = _plugins(agg_static_after=3)
-    plugins.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
+    plugins = _ready(_plugins(agg_static_after=3), model, input_embedding="embed")
     got = _plugin_run(plugins, model, batches)
     for (r_grads, _), g_grads in zip(ref, got):
         for r, g in zip(r_grads, g_grads):
@@ -594,25 +630,25 @@ def test_plugin_window_from_epoch_steps_and_errors():
     plugins = _plugins(window=None)
     plugins.setup(ModelHandle(model, head="lm_head"))
     with pytest.raises(ConfigError, match="window"):
-        plugins.targets(tgt, StepInfo(step=1))
-    plugins.targets(tgt, StepInfo(step=1, epoch_steps=6))
-    assert plugins.get("agg").counter.window == 6
+        plugins.begin_training(RunInfo())
+    plugins.begin_training(RunInfo(epoch_steps=6))
+    assert plugins.get("agg").counter.window == 6  # built when training begins, before any batch
+    plugins.targets(tgt, StepInfo(step=1))
     with pytest.raises(ValueError, match="targets of shape"):
         model(ids[:, :-1])  # the head output has 8 positions, the targets 9
     unset = _plugins()
-    with pytest.raises(RuntimeError, match="setup"):
+    with pytest.raises(RuntimeError, match="begin_training"):
         unset.targets(tgt, StepInfo(step=1))
-    with pytest.raises(ConfigError, match="special_ids"):
-        bad = _plugins(special_ids=(19,))
-        bad.setup(ModelHandle(model.__class__(), head="lm_head"))
-        bad.targets(tgt, StepInfo(step=1))
+    bad = _plugins(special_ids=(19,))
+    fresh = model.__class__()
+    with pytest.raises(ConfigError, match="special_ids=\\(19,\\): ids \\[19\\] are >= the vocabulary size 19"):
+        bad.setup(ModelHandle(fresh, head="lm_head"))  # at set-up, before any step
 
 
 def test_plugin_eval_forward_is_plain_and_keeps_targets():
     model = TiedLM().double()
     ids, tgt = _batches(steps=1)[0][0]
-    plugins = _plugins()
-    plugins.setup(ModelHandle(model, head="lm_head"))
+    plugins = _ready(_plugins(), model)
     plugins.targets(tgt, StepInfo(step=1))
     model.eval()
     torch.testing.assert_close(model(ids), F.linear(model.body(ids), model.lm_head.weight))
@@ -624,8 +660,7 @@ def test_plugin_eval_forward_is_plain_and_keeps_targets():
 def test_plugin_warns_when_the_trainer_step_is_ahead_of_the_counter(caplog):
     model = TiedLM().double()
     ids, tgt = _batches(steps=1)[0][0]
-    plugins = _plugins()
-    plugins.setup(ModelHandle(model, head="lm_head"))
+    plugins = _ready(_plugins(), model)
     with caplog.at_level("WARNING", logger="aniso_plugins"):
         plugins.targets(tgt, StepInfo(step=40))  # a resumed run whose AGG state was not loaded
     assert "step 40" in caplog.text and "counter at step 1" in caplog.text

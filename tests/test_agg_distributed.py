@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aniso_plugins import AGGGates, AnisoConfig, AnisoPlugins, ModelHandle, StepInfo
+from aniso_plugins import AGGGates, AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, StepInfo
 from dist_utils import run_distributed
 from test_agg import IGN, _batches, grads, ref_gates, rel_err, three_logit_loss
 from test_counter import DenseRing
@@ -57,6 +57,7 @@ def _worker(rank, world, modes):
         model = _model(tied=mode != "fsdp2_head_unit")
         plugins = AnisoPlugins(_config())
         plugins.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
+        plugins.begin_training(RunInfo())
         if mode == "ddp":
             wrapped = nn.parallel.DistributedDataParallel(model)
         elif mode == "fsdp2":

@@ -14,9 +14,11 @@ from aniso_plugins import (
     ConfigError,
     ModelHandle,
     SetupError,
+    RunInfo,
     Stat,
     StateError,
     StepInfo,
+    TrainingSession,
     attach_loss,
     hookimpl,
 )
@@ -96,11 +98,16 @@ class Recorder:
         self.events.append(("step_end", step.step))
 
     @hookimpl
-    def aniso_metric_stats(self, step, kind, reduced):
+    def aniso_begin_training(self, run):
+        self.events.append(("begin_training", run.epoch_steps, run.start_step))
+
+    @hookimpl
+    def aniso_metric_stats(self, step, kind, round_index, reduced):
         # two rounds: the second depends on the reduced first
-        if "recorder/a" not in reduced:
+        self.events.append(("round", round_index, sorted(reduced)))
+        if round_index == 0:
             return {"recorder/a": Stat(torch.tensor([2.0, 3.0]))}
-        if "recorder/b" not in reduced:
+        if round_index == 1:
             return {"recorder/b": Stat(reduced["recorder/a"] * 10, "max")}
         return None
 
@@ -118,6 +125,7 @@ def test_manager_drives_hooks_in_order_and_runs_metric_rounds():
     plugins = AnisoPlugins(AnisoConfig(metrics=(), load_entry_points=False), plugins=[rec])
     assert plugins.get("recorder") is rec
     plugins.setup(ModelHandle(TinyLM(), input_embedding="embed", blocks="blocks"))
+    plugins.begin_training(RunInfo(epoch_steps=5, start_step=0))
     step = StepInfo(step=1, micro_batch=0, accumulation_steps=2)
     plugins.targets(torch.tensor([1, 2]), step)
     plugins.step_end(step)
@@ -126,11 +134,15 @@ def test_manager_drives_hooks_in_order_and_runs_metric_rounds():
     plugins.log(metrics, 1)
     assert rec.events == [
         ("setup", 11),
+        ("begin_training", 5, 0),
         ("targets", 1, 0, [1, 2]),
         ("step_end", 1),
+        ("round", 0, []),
+        ("round", 1, ["recorder/a"]),
+        ("round", 2, ["recorder/a", "recorder/b"]),
         ("log", 1, ["aniso/recorder/b0", "aniso/recorder/kind_is_eval"]),
     ]
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ConfigError, match="two plugins are named 'recorder'"):
         plugins.register(Recorder())
 
 
@@ -138,12 +150,12 @@ def test_example_plugin_loss_term_reaches_gradients_and_metric_reaches_output():
     torch.manual_seed(0)
     model = TinyLM()
     plugin = HeadNormPlugin(coef=0.3)
-    plugins = AnisoPlugins(AnisoConfig(metrics=(), load_entry_points=False), plugins=[plugin])
-    plugins.setup(ModelHandle(model, input_embedding="embed"))
+    session = TrainingSession(AnisoConfig(metrics=(), load_entry_points=False), plugins=[plugin])
+    session.setup(ModelHandle(model, input_embedding="embed"))
+    session.begin_training()
     ids = torch.randint(0, 11, (2, 4))
-    step = StepInfo(step=1, micro_batch=0, accumulation_steps=1)
-
-    logits = plugins.attach_loss_terms(model(ids), step)
+    session.begin_micro_batch(ids, step=1)
+    logits = model(ids)  # the session's head hook attaches the loss term
     nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     got = model.lm_head.weight.grad.clone()
 
@@ -152,19 +164,32 @@ def test_example_plugin_loss_term_reaches_gradients_and_metric_reaches_output():
     (ref_loss + 0.3 * model.lm_head.weight.pow(2).sum()).backward()
     torch.testing.assert_close(got, model.lm_head.weight.grad, rtol=1e-6, atol=1e-7)
 
-    metrics = plugins.measure(step)
+    metrics = session.measure(1)
     w = model.lm_head.weight.detach().double()
     assert metrics["aniso/head_norm/rms_row_norm"] == pytest.approx(float((w.pow(2).sum() / 11).sqrt()), rel=1e-12)
     assert metrics["aniso/loss/head_l2"] == pytest.approx(float(0.3 * w.pow(2).sum()), rel=1e-6)
 
 
-def test_loss_terms_apply_once_per_optimizer_step_under_accumulation():
-    plugins = AnisoPlugins(AnisoConfig(metrics=(), load_entry_points=False), plugins=[HeadNormPlugin()])
-    plugins.setup(ModelHandle(TinyLM()))
-    due = [plugins.applies_loss_terms(StepInfo(step=1, micro_batch=m, accumulation_steps=3)) for m in range(3)]
-    assert due == [False, False, True]
-    plugins.config.reg_every_microbatch = True
-    assert plugins.applies_loss_terms(StepInfo(step=1, micro_batch=0, accumulation_steps=3))
+@pytest.mark.parametrize("every_microbatch, due", [(False, [0, 0, 1]), (True, [1, 1, 1])])
+def test_loss_terms_apply_once_per_optimizer_step_under_accumulation(every_microbatch, due):
+    calls = []
+
+    class Counting(HeadNormPlugin):
+        @hookimpl
+        def aniso_loss_terms(self, step):
+            calls.append(step.micro_batch)
+            return super().aniso_loss_terms(step)
+
+    config = AnisoConfig(metrics=(), load_entry_points=False, reg_every_microbatch=every_microbatch)
+    session = TrainingSession(config, plugins=[Counting()])
+    model = TinyLM()
+    session.setup(ModelHandle(model))
+    session.begin_training(accumulation_steps=3)
+    for m in range(3):
+        ids = torch.randint(0, 11, (2, 4))
+        session.begin_micro_batch(ids, step=1, accumulation_steps=3)
+        model(ids)
+    assert [int(m in calls) for m in range(3)] == due
 
 
 def test_entry_point_plugins_are_discovered(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, SetupError, StepInfo
+from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, SetupError, StepInfo
 from aniso_plugins.heads import LowRankHead, merge_low_rank, merge_low_rank_heads
 from aniso_plugins.model import OutputEmbeddingsHandle
 
@@ -261,6 +261,7 @@ def test_agg_gates_the_replaced_head(head):
     emb = model.embed.weight
     plugins = _plugins(method="agg", head=head, window=4, lowrank_rank=3)
     plugins.setup(ModelHandle(model, input_embedding="embed"))
+    plugins.begin_training(RunInfo())
     agg = plugins.get("agg")
     assert agg.head.module is model.lm_head  # AGG wraps the head that the head plugin left
     assert model.embed.weight is emb

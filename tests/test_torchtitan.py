@@ -53,6 +53,7 @@ def test_aniso_flags_fill_the_section_and_bad_values_name_the_field(capsys):
 
 def test_recipes_install_the_aniso_components_and_turn_cuda_graphs_off():
     from aniso_plugins.integrations import torchtitan as tt
+    from torchtitan.models.common.linear import Linear
     from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
 
     recipes = [(tt.llama3_debugmodel_aniso, 2048, False), (tt.llama3_1b_aniso, 128256, True), (tt.llama3_3b_aniso, 128256, True)]
@@ -60,7 +61,7 @@ def test_recipes_install_the_aniso_components_and_turn_cuda_graphs_off():
         cfg = recipe()
         model = cfg.model_spec.model
         assert isinstance(cfg, tt.AnisoTrainer.Config) and cfg.training.disable_cuda_graphs
-        assert type(model.lm_head) is tt.AnisoHead.Config and model.lm_head.out_features == vocab
+        assert type(model.lm_head) is Linear.Config and model.lm_head.out_features == vocab  # the recipe's own head
         assert model.enable_weight_tying is tied
         assert type(cfg.loss) is tt.AnisoChunkedLoss.Config and cfg.loss.loss_fn.global_vocab_size == vocab
         assert type(cfg.metrics) is tt.AnisoMetricsProcessor.Config
@@ -72,18 +73,18 @@ def test_recipes_install_the_aniso_components_and_turn_cuda_graphs_off():
 def test_override_factories_swap_the_nodes_and_validate_their_json():
     from aniso_plugins.integrations import torchtitan as tt
     from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.models.common.linear import Linear
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     def apply(kwargs):
         cfg = llama3_debugmodel()
-        imports = [f"{MOD}.{name}" for name in ("aniso_head", "aniso_metrics", "aniso_checkpoint")]
+        imports = [f"{MOD}.{name}" for name in ("aniso_metrics", "aniso_checkpoint")]
         imports.append((f"{MOD}.aniso_loss", kwargs))
         apply_overrides(OverrideConfig(imports=imports), cfg)
         return cfg
 
     cfg = apply({"method": "agg", "window": 100, "metrics": ["geometry", "frequency"]})
-    assert type(cfg.model_spec.model.lm_head) is tt.AnisoHead.Config
-    assert cfg.model_spec.model.lm_head.param_init is not None  # copied from the stock head
+    assert type(cfg.model_spec.model.lm_head) is Linear.Config  # AGG patches the built head in place
     assert type(cfg.metrics) is tt.AnisoMetricsProcessor.Config
     assert type(cfg.checkpoint) is tt.AnisoCheckpointManager.Config
     assert type(cfg.loss) is tt.AnisoChunkedLoss.Config and cfg.loss.num_chunks == 8
@@ -94,39 +95,52 @@ def test_override_factories_swap_the_nodes_and_validate_their_json():
         apply({"method": "bogus"})
 
 
-def test_head_is_linear_unarmed_and_the_token_normalized_cross_entropy_armed():
+def test_agg_head_on_torchtitan_linear_is_linear_unarmed_and_the_token_normalized_cross_entropy_armed():
     import torch.nn.functional as F
-    from aniso_plugins import agg_gates
-    from aniso_plugins.integrations.torchtitan import AnisoHead
+    from aniso_plugins import AGGForward, agg_gates
+    from torchtitan.models.common.linear import Linear
 
-    head = AnisoHead.Config(in_features=8, out_features=16).build()
+    head = Linear.Config(in_features=8, out_features=16).build()
+    installed = AGGForward(head, chunk_size=3)
     h, y = torch.randn(2, 5, 8), torch.randint(0, 16, (2, 5))
     y[0, 0] = -100
     assert torch.equal(head(h), F.linear(h, head.weight))
     gates = agg_gates(torch.bincount(y[y >= 0], minlength=16).float(), alpha=1.5)
-    head.arm(y, gates, torch.tensor(40), chunk_size=3)
+    installed.arm(y, gates, loss_normalizer=torch.tensor(40))
     loss = head(h)  # Σ NLL / 40 (torchtitan's global_valid_tokens), not the mean over 9 targets
     expected = F.cross_entropy(F.linear(h, head.weight).double().reshape(-1, 16), y.reshape(-1), reduction="sum") / 40
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-7)
     assert torch.equal(head(h), F.linear(h, head.weight))  # one armed call only
 
 
-def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, dp_replicate=1, dp_shard=1):
+def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, dp_replicate=1, dp_shard=1, inner_loss=None):
     from types import SimpleNamespace
 
-    from aniso_plugins.integrations.torchtitan import AnisoChunkedLoss, AnisoHead
+    from aniso_plugins.integrations.torchtitan import AnisoChunkedLoss
+    from torchtitan.models.common.linear import Linear
 
-    head = head if head is not None else AnisoHead.Config(in_features=8, out_features=16).build()
+    head = head if head is not None else Linear.Config(in_features=8, out_features=16).build()
     model = torch.nn.Module()
     model.lm_head, model.tok_embeddings = head, torch.nn.Embedding(16, 8)
     return SimpleNamespace(
-        loss_fn=loss if loss is not None else AnisoChunkedLoss.Config().build(),
+        step=0,
+        gradient_accumulation_steps=1,
+        loss_fn=loss if loss is not None else _chunked_loss(inner_loss),
         config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=graphs_off)),
         model_parts=[model],
         parallel_dims=SimpleNamespace(tp=tp, cp=1, pp=1, ep=1, dp_replicate=dp_replicate, dp_shard=dp_shard),
         optimizers=SimpleNamespace(register_step_post_hook=lambda hook: None),
         metrics_processor=SimpleNamespace(),
     )
+
+
+def _chunked_loss(inner: str | None):
+    from aniso_plugins.integrations.torchtitan import AnisoChunkedLoss
+    from torchtitan.components.loss import MSELoss
+
+    if inner == "mse":  # a chunked loss around another inner loss than cross-entropy
+        return AnisoChunkedLoss.Config(loss_fn=MSELoss.Config()).build()
+    return AnisoChunkedLoss.Config().build()
 
 
 @pytest.mark.parametrize(
@@ -138,7 +152,7 @@ def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, dp_replicate=1
         ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
         ({}, dict(method="agg"), ConfigError, "--aniso.window"),
-        (dict(head=torch.nn.Linear(8, 16)), dict(method="agg", window=5, agg_fused=True), SetupError, "aniso_head"),
+        (dict(inner_loss="mse"), dict(method="agg", window=5, agg_fused=True), ConfigError, "no-agg-fused"),
         (dict(loss=object()), {}, SetupError, "AnisoChunkedLoss"),
     ],
 )
@@ -282,7 +296,7 @@ def _copy_checkpoint(src: str, dst: str, step: int) -> None:
 
 OVERRIDES = [
     "--override.imports",
-    f"{MOD}.aniso_head,{MOD}.aniso_metrics,{MOD}.aniso_checkpoint",
+    f"{MOD}.aniso_metrics,{MOD}.aniso_checkpoint",
     f'{MOD}.aniso_loss={json.dumps({"method": "agg", "alpha": 2.5, "window": 3, "metrics_every": 2})}',
 ]
 
@@ -438,7 +452,7 @@ def test_cosreg_gradient_is_added_once_per_step_with_torchtitans_sum_over_ranks(
 @pytest.mark.slow
 def test_override_path_on_a_stock_recipe_trains_exactly_like_the_flag_path(runs):
     flag, over = runs["agg"], runs["override"]
-    assert "AnisoChunkedLoss" in over["log"] and "AnisoHead" in over["log"]  # torchtitan logs the swaps
+    assert "AnisoChunkedLoss" in over["log"]  # torchtitan logs the swap
     for name, value in flag["final_params"].items():
         assert torch.equal(over["final_params"][name], value), name
     for key, value in flag["aniso_state"]["agg"].items():

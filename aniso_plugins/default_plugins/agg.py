@@ -1,10 +1,15 @@
 """The AGG plugin: token counter + gates + gated LM head, wired into the core's hooks.
 
-Per training micro-batch (`aniso_targets`): count its targets (summed across data-parallel
-ranks), compute the gates from the appearance that now includes them (the official order,
-methods.md §1.1), and arm the head's gated forward with both. After the optimizer step
-(`aniso_step_end`): advance the counter. Validation and evaluation never reach the counter
-(no `aniso_targets` for them, and the head gates only in training mode with grad enabled).
+At set-up (`aniso_setup`): check ``special_ids`` against the vocabulary and install the AGG
+head (`aniso_plugins.agg_head.AGGForward`) on the model's LM head. When training begins
+(`aniso_begin_training`): build the token counter with window K = ``config.window``, else the
+trainer's epoch length. Per training micro-batch (`aniso_targets`): count its targets (summed
+across data-parallel ranks), compute the gates from the appearance that now includes them (the
+official order, docs/methods.md §1.1), and arm the head with both (and, where the adapter owns
+the loss, with its normalizer: the head then returns the fused AGG cross-entropy). After the
+optimizer step (`aniso_step_end`): advance the counter. Validation and evaluation never reach
+the counter (no `aniso_targets` for them, and the head gates only in training mode with grad
+enabled).
 """
 
 from __future__ import annotations
@@ -15,13 +20,14 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ..agg import AGGGates, AGGHead, agg_gates
+from ..agg import AGGGates, agg_gates
+from ..agg_head import AGGForward
 from ..config import AnisoConfig, ConfigError
 from ..counter import TokenCounter
 from ..distributed import is_distributed
 from ..hookspecs import hookimpl
-from ..model import ModelHandle
-from ..steps import StepInfo
+from ..model import ModelHandle, SetupError
+from ..steps import RunInfo, StepInfo
 
 NAMESPACE = "agg"
 logger = logging.getLogger("aniso_plugins")
@@ -31,13 +37,10 @@ class AGGPlugin:
     """AGG (Yu et al., ACL 2022) as a plugin; reads ``alpha``, ``window``, ``special_ids``,
     ``ignore_index`` and the ``agg_*`` ablations of `AnisoConfig`.
 
-    window: ``config.window``, else ``StepInfo.epoch_steps`` from the adapter (the paper's one
-    epoch of optimizer steps), else a `ConfigError` at the first training micro-batch.
+    window: ``config.window``, else ``RunInfo.epoch_steps`` from the adapter (the paper's one
+    epoch of optimizer steps), else a `ConfigError` when training begins.
     `process_group`: the data-parallel group whose ranks' counts are summed (default: the world);
     an adapter with tensor or pipeline parallel ranks that see the same targets sets it.
-
-    Adapters read `head` (the `AGGHead`; an adapter that owns the loss removes it) and
-    `last_gates` (the gates of the latest micro-batch, for `aniso_plugins.agg_cross_entropy`).
     """
 
     name = "agg"
@@ -45,25 +48,41 @@ class AGGPlugin:
     def __init__(self, config: AnisoConfig) -> None:
         self.config = config
         self.process_group: dist.ProcessGroup | None = None
-        self.head: AGGHead | None = None
+        self.head: AGGForward | None = None
         self.counter: TokenCounter | None = None
         self.vocab_size: int | None = None
         self.last_gates: AGGGates | None = None
         self._static: tuple[torch.Tensor, int] | None = None  # (appearance, steps) frozen by agg_static_after
-        self._pending_state: dict[str, torch.Tensor] | None = None
         self._step_warned = False
 
     # --- hooks --------------------------------------------------------------------------------
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        self.vocab_size = model.vocab_size
-        # With agg_fused the adapter owns the loss (the fused AGG cross-entropy) and reads
-        # `last_gates`; otherwise the head itself gates (agg_linear).
-        self.head = None if config.agg_fused else AGGHead(model.head(), ignore_index=config.ignore_index)
+        vocab = model.vocab_size
+        bad = [i for i in config.special_ids if i >= vocab]
+        if bad:
+            raise ConfigError(f"special_ids={config.special_ids!r}: ids {bad} are >= the vocabulary size {vocab}")
+        self.vocab_size = vocab
+        self.head = AGGForward(model.head(), ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
+
+    @hookimpl
+    def aniso_begin_training(self, run: RunInfo) -> None:
+        window = self.config.window or run.epoch_steps
+        if window is None:
+            raise ConfigError(
+                "window=None: AGG needs the token-counter window K (optimizer steps remembered; the paper "
+                "uses one epoch) and the trainer did not report its steps per epoch: set AnisoConfig(window=...)"
+            )
+        if self.counter is not None and self.counter.window == window:
+            return  # training again with the same window: keep the counts
+        self.counter = TokenCounter(
+            self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index
+        )
+        self._static = None
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
-        counter = self._counter(step)
+        counter = self._ready()
         if step.step != counter.step_index and not self._step_warned:
             self._step_warned = True
             logger.warning(
@@ -75,19 +94,24 @@ class AGGPlugin:
         counter.update(targets, all_reduce=is_distributed(), group=self.process_group)
         gates = self._gates(counter)
         self.last_gates = gates
-        if self.head is not None:
-            self.head.arm(targets, gates)
+        fused = self.config.agg_fused
+        if fused and step.loss_normalizer is None:
+            raise SetupError("AGG with agg_fused: the adapter announced a micro-batch without its loss normalizer")
+        self.head.arm(
+            targets,
+            gates,
+            chunks=1 if fused else step.head_calls,
+            loss_normalizer=step.loss_normalizer if fused else None,
+        )
 
     @hookimpl
     def aniso_step_end(self, step: StepInfo) -> None:
-        if self.head is not None:
-            self.head.disarm()
-        if self.counter is None:
-            return
+        self.head.disarm()
+        counter = self._ready()
         after = self.config.agg_static_after
-        if after is not None and self._static is None and self.counter.step_index >= after:
-            self._static = (self.counter.appearance(), self.counter.steps_in_window)
-        self.counter.step()
+        if after is not None and self._static is None and counter.step_index >= after:
+            self._static = (counter.appearance(), counter.steps_in_window)
+        counter.step()
 
     @hookimpl
     def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
@@ -109,7 +133,7 @@ class AGGPlugin:
     @hookimpl
     def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
         if self.counter is None:
-            return None if self._pending_state is None else {NAMESPACE: dict(self._pending_state)}
+            return None
         state = self.counter.state_dict()
         if self._static is not None:
             state["static_appearance"] = self._static[0]
@@ -121,40 +145,16 @@ class AGGPlugin:
         mine = state.get(NAMESPACE)
         if mine is None:
             return
-        self._pending_state = dict(mine)
-        if self.counter is not None:
-            self._apply_state()
+        counter = self._ready()
+        counter.load_state_dict(mine)
+        if "static_appearance" in mine:
+            self._static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]))
 
     # --- internals ------------------------------------------------------------------------------
-    def _counter(self, step: StepInfo) -> TokenCounter:
-        if self.counter is not None:
-            return self.counter
-        if self.vocab_size is None:
-            raise RuntimeError("AGG: aniso_targets before aniso_setup (the adapter must call AnisoPlugins.setup first)")
-        window = self.config.window or step.epoch_steps
-        if window is None:
-            raise ConfigError(
-                "window=None: AGG needs the token-counter window K (optimizer steps remembered; the paper "
-                "uses one epoch) and the trainer did not report its steps per epoch: set AnisoConfig(window=...)"
-            )
-        bad = [i for i in self.config.special_ids if i >= self.vocab_size]
-        if bad:
-            raise ConfigError(
-                f"special_ids={self.config.special_ids!r}: ids {bad} are >= the vocabulary size {self.vocab_size}"
-            )
-        self.counter = TokenCounter(
-            self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index
-        )
-        if self._pending_state is not None:
-            self._apply_state()
+    def _ready(self) -> TokenCounter:
+        if self.counter is None:
+            raise RuntimeError("AGG: no token counter yet (the adapter must call TrainingSession.begin_training first)")
         return self.counter
-
-    def _apply_state(self) -> None:
-        state = self._pending_state
-        self.counter.load_state_dict(state)
-        if "static_appearance" in state:
-            self._static = (state["static_appearance"].to(torch.float32), int(state["static_steps"][0]))
-        self._pending_state = None
 
     def _gates(self, counter: TokenCounter) -> AGGGates:
         c = self.config

@@ -84,7 +84,8 @@ class BottleneckPlugin:
             return
         hidden, self._input = self._input, None
         self._armed = False
-        if not (isinstance(output, torch.Tensor) and output.requires_grad and output.shape[-1] == self.vocab_size):
+        logits = isinstance(output, torch.Tensor) and output.dim() >= 1 and output.shape[-1] == self.vocab_size
+        if not (logits and output.requires_grad):  # e.g. a head that returned the fused loss
             return
         self._gram = gram_stats_blocked(local_rows(module.weight.detach()).rows).gram
         output.register_hook(self._on_logits_grad)
@@ -102,14 +103,14 @@ class BottleneckPlugin:
 
     @hookimpl
     def aniso_metric_stats(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, Stat] | None:
         if kind != "train" or self._probe is None:
             return None
         gram, dh, grad_sq = self._probe
-        if PREFIX + "gram" not in reduced:
+        if round_index == 0:  # the head's WᵀW, summed over the ranks' rows
             return {PREFIX + "gram": Stat(gram)}
-        if PREFIX + "tokens" not in reduced:
+        if round_index == 1:  # the probe positions' kept and lost parts, from the full WᵀW
             return bottleneck_stats(dh, grad_sq, reduced[PREFIX + "gram"], PREFIX)
         return None
 
@@ -117,7 +118,7 @@ class BottleneckPlugin:
     def aniso_metrics(
         self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, float] | None:
-        if kind != "train" or PREFIX + "tokens" not in reduced:
+        if kind != "train" or self._probe is None:
             return None
         self._probe = None
         return {PREFIX + name: value for name, value in bottleneck_finish(reduced, PREFIX).items()}

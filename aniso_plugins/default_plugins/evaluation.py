@@ -77,9 +77,9 @@ class EvalPlugin:
 
     @hookimpl
     def aniso_metric_stats(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, Stat] | None:
-        if kind != "eval" or "eval/nll" in reduced:
+        if kind != "eval" or round_index > 0:
             return None
         if self._nll is None:
             self._reset(self.counts.ready().counts.device)
@@ -93,7 +93,7 @@ class EvalPlugin:
     def aniso_metrics(
         self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, float] | None:
-        if kind != "eval" or "eval/nll" not in reduced:
+        if kind != "eval":
             return None
         nll, tokens, predicted = reduced["eval/nll"], reduced["eval/tokens"], reduced["eval/predicted"]
         groups = frequency_groups(self.counts.ready().counts, self.config.group_fractions).to(nll.device)

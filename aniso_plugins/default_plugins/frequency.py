@@ -80,31 +80,31 @@ class FrequencyGroupsPlugin:
 
     @hookimpl
     def aniso_metric_stats(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, Stat] | None:
-        if kind != "train":
+        if kind != "train" or round_index > 1:
             return None
         counter = self.counts.ready()
         lr = local_rows(self.model.head().weight.detach())
-        if "frequency/rare/gram" not in reduced:
+        if round_index == 0:
             self._groups = frequency_groups(counter.counts, self.config.group_fractions)
         mine = self._groups[lr.offset : lr.offset + lr.rows.shape[0]].to(lr.rows.device)
         stats: dict[str, Stat] = {}
         for index, group in enumerate(GROUPS):
             prefix = f"frequency/{group}/"
             rows = lr.rows[mine == index]
-            if prefix + "gram" not in reduced:
+            if round_index == 0:  # per group: Gram, row sum, count, unit-row sum
                 stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix)
-            elif prefix + "log_z" not in reduced:
+            else:  # round 1: the partition functions of I(W) from the group's eigenvectors
                 spec = Spectrum.from_moments(moments(reduced, prefix), center=False)
                 stats |= isotropy_stats(rows, spec.eigenvectors, prefix)
-        return stats or None
+        return stats
 
     @hookimpl
     def aniso_metrics(
         self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, float] | None:
-        if kind != "train" or "frequency/rare/log_z" not in reduced:
+        if kind != "train":
             return None
         out: dict[str, float] = {}
         for group in GROUPS:

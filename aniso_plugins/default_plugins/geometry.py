@@ -1,7 +1,7 @@
 """Embedding geometry of the LM head (and of the input embedding when it is untied), at every
 train measurement: `aniso_plugins.geometry` metrics from one Gram matrix per matrix.
 
-Round 1 reduces Σ w_i w_iᵀ, Σ w_i, V and the raw unit-row sum; round 2, from the reduced Gram's
+Round 0 reduces Σ w_i w_iᵀ, Σ w_i, V and the raw unit-row sum; round 1, from the reduced Gram's
 eigenvectors (raw and centered), reduces the log-partition functions of I(W) and the centered
 unit-row sum. Logged as ``geometry/<matrix>/<metric>``, matrix ``head`` or ``embedding``:
 
@@ -70,19 +70,18 @@ class GeometryPlugin:
 
     @hookimpl
     def aniso_metric_stats(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, Stat] | None:
-        if kind != "train":
+        if kind != "train" or round_index > 1:
             return None
         stats: dict[str, Stat] = {}
         for name, weight in self.matrices().items():
             prefix = f"geometry/{name}/"
-            if prefix + "gram" in reduced and prefix + "raw/log_z" in reduced:
-                continue
             rows = matrix_rows(weight, f"{name} weight")
-            if prefix + "gram" not in reduced:
+            if round_index == 0:  # Gram, row sum, count; raw unit-row sum
                 stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix + "raw/")
                 continue
+            # round 1: from the reduced Gram's eigenvectors, the partition functions of I(W)
             m = moments(reduced, prefix)
             raw, centered = Spectrum.from_moments(m, center=False), Spectrum.from_moments(m, center=True)
             self._spectra[name] = (raw, centered)

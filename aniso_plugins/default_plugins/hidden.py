@@ -94,9 +94,9 @@ class HiddenStatesPlugin:
 
     @hookimpl
     def aniso_metric_stats(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, Stat] | None:
-        if kind != "train" or "hidden/layer_0/nonzero" in reduced:
+        if kind != "train" or round_index > 0:
             return None
         if self.model is None:
             raise RuntimeError("HiddenStatesPlugin: aniso_setup(model, config) must run first")
@@ -112,7 +112,7 @@ class HiddenStatesPlugin:
     def aniso_metrics(
         self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
     ) -> dict[str, float] | None:
-        if kind != "train" or "hidden/layer_0/nonzero" not in reduced:
+        if kind != "train":
             return None
         layers = range(len(self.handles))
         out = {f"hidden/layer_{i}/mean_cosine": mean_cosine_finish(reduced, f"hidden/layer_{i}/") for i in layers}

@@ -53,6 +53,11 @@ class RegularizerPlugin:
                 "method='spectrum' with head='lowrank': a rank-r head has σ_k = 0 for k > r, where the "
                 "spectrum penalty has no finite gradient; use head='untie' or 'keep'"
             )
+        bad = [i for i in config.reg_exclude_ids if i >= model.vocab_size]
+        if bad:
+            raise ConfigError(
+                f"reg_exclude_ids={config.reg_exclude_ids!r}: ids {bad} are >= the vocabulary size {model.vocab_size}"
+            )
         self.model = model
 
     def penalty(self, weight: torch.Tensor, step: StepInfo) -> torch.Tensor:

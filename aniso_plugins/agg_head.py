@@ -1,0 +1,121 @@
+"""The AGG head: the gated forward installed in place on an LM head module (the one head
+that AGG arms, in every adapter). The math lives in `aniso_plugins.agg` (gates, `agg_linear`)
+and `aniso_plugins.fused_ce` (the fused chunked cross-entropy); this module only decides which
+one a call runs."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .agg import AGGGates, agg_linear
+from .fused_ce import agg_cross_entropy
+from .steps import TargetChunks
+
+logger = logging.getLogger("aniso_plugins")
+
+
+class AGGForward:
+    """The AGG-gated forward, installed in place on an LM head module: the one AGG head.
+
+    The module object and its Parameters stay what they are (tying, state-dict keys, FSDP2
+    groups and DDP hooks keep working); only ``module.forward`` becomes an instance attribute.
+    `arm` hands over one training micro-batch's targets and gates; the next forward(s) that run
+    in training mode with gradients enabled consume them, reading ``module.weight`` (and
+    ``module.bias``) at call time, where FSDP2 has unsharded them (a head whose ``weight`` is a
+    computed property, W = A·B, works too), and return either
+
+    - the logits of `agg_linear` (plain values, gated weight gradient), one chunk of the
+      targets per call when the adapter runs the head in ``chunks`` pieces (torchtitan's
+      chunked loss), or
+    - with a `loss_normalizer` (only where the adapter owns the loss), the fused chunked AGG
+      cross-entropy of the whole micro-batch, ``Σ_{i: y_i ≠ ignore} CE_i / loss_normalizer``
+      (`aniso_plugins.agg_cross_entropy`), never the full logits.
+
+    Any other call runs the module's original forward. `remove` restores it.
+    """
+
+    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int = 1024) -> None:
+        if isinstance(getattr(module.forward, "__self__", None), AGGForward):
+            raise ValueError(f"AGGForward: {type(module).__name__} already has an AGG forward installed")
+        self.module = module
+        self.ignore_index = ignore_index
+        self.chunk_size = chunk_size
+        self._own_forward = "forward" in module.__dict__
+        self._original = module.forward
+        self._targets: TargetChunks | None = None
+        self._gates: AGGGates | None = None
+        self._normalizer: torch.Tensor | None = None
+        self._warned = False
+        module.forward = self.forward
+
+    def arm(
+        self,
+        targets: torch.Tensor,
+        gates: AGGGates,
+        *,
+        chunks: int = 1,
+        loss_normalizer: torch.Tensor | None = None,
+    ) -> None:
+        """One micro-batch's targets (aligned with the head's output positions) and gates for
+        the next forward, or for the next `chunks` forwards (equal chunks of the last target
+        dimension, in order); with `loss_normalizer` the next forward returns the fused loss."""
+        if loss_normalizer is not None and chunks != 1:
+            raise ValueError("AGGForward.arm: the fused loss takes the whole micro-batch in one call (chunks=1)")
+        self._targets = TargetChunks(targets, chunks)
+        self._gates = gates
+        self._normalizer = loss_normalizer
+
+    def disarm(self) -> None:
+        """Drop targets that no forward consumed."""
+        self._targets = self._gates = self._normalizer = None
+
+    @property
+    def armed(self) -> bool:
+        return self._targets is not None and not self._targets.exhausted
+
+    def remove(self) -> None:
+        """Restore the module's original forward."""
+        if self._own_forward:
+            self.module.forward = self._original
+        else:
+            del self.module.forward
+        self.disarm()
+
+    def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: A002 - torchtitan reads `input`
+        if self.module.training and torch.is_grad_enabled():
+            if self.armed:
+                if args or kwargs:
+                    raise TypeError("AGG head: the gated forward takes only the hidden states")
+                return self._gated(input)
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "AGG: the LM head ran in training without targets for this micro-batch; its weight "
+                    "gradient is not gated (the adapter must announce each micro-batch before its forward)"
+                )
+        return self._original(input, *args, **kwargs)
+
+    def _gated(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets, gates, normalizer = self._targets.take(), self._gates, self._normalizer
+        weight, bias = self.module.weight, getattr(self.module, "bias", None)
+        if self._targets.exhausted:
+            self.disarm()
+        if normalizer is None:
+            return agg_linear(hidden, weight, targets, gates, bias, self.ignore_index)
+        return agg_cross_entropy(
+            hidden,
+            weight,
+            targets,
+            gates,
+            bias=bias,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            normalizer=normalizer,
+            chunk_size=self.chunk_size,
+        )
+
+
+__all__ = ["AGGForward"]

@@ -1,0 +1,447 @@
+"""AnisoConfig as a frozen, validated value; the error hierarchy; the built-in plugin registry;
+the configuration through transformers' HfArgumentParser, tyro and LightningCLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import aniso_plugins
+from aniso_plugins import AnisoConfig, AnisoError, ConfigError, ModelHandle, SetupError, StateError, registry
+from aniso_plugins.config import HEADS, METHODS, METRICS
+from aniso_plugins.default_plugins import aniso_make_plugins
+from aniso_plugins.state import load_state, save_state
+
+# A configuration where every field differs from its default (parsers must carry each one).
+NON_DEFAULT = dict(
+    method="hinge",
+    head="lowrank",
+    ignore_index=-1,
+    alpha=0.05,
+    window=7,
+    special_ids=(0, 1),
+    agg_g1=False,
+    agg_g2=False,
+    agg_static_after=3,
+    agg_freeze_rare=True,
+    agg_parts=("a", "c"),
+    agg_fused=True,
+    agg_chunk_size=64,
+    reg_weight=0.5,
+    reg_every_microbatch=True,
+    reg_exclude_ids=(2,),
+    hinge_margin=0.25,
+    hinge_sample=16,
+    hinge_block=128,
+    spectrum_prior="exp",
+    spectrum_c1=2.0,
+    spectrum_c2=0.02,
+    spectrum_gamma=0.5,
+    lowrank_rank=4,
+    lowrank_init="random",
+    metrics=("frequency", "geometry", "eval"),
+    metrics_every=5,
+    group_fractions=(0.1, 0.6, 0.3),
+    hidden_samples=32,
+    bottleneck_every=9,
+    load_entry_points=False,
+)
+
+
+def test_non_default_covers_every_field():
+    assert set(NON_DEFAULT) == {f.name for f in dataclasses.fields(AnisoConfig)}
+    default = AnisoConfig()
+    assert all(getattr(default, k) != v for k, v in NON_DEFAULT.items())
+
+
+# --- errors -------------------------------------------------------------------------------------
+def test_error_hierarchy_keeps_the_builtin_bases_and_one_class_per_error():
+    assert issubclass(ConfigError, AnisoError) and issubclass(ConfigError, ValueError)
+    assert issubclass(SetupError, AnisoError) and issubclass(SetupError, RuntimeError)
+    assert issubclass(StateError, AnisoError) and issubclass(StateError, RuntimeError)
+    assert issubclass(AnisoError, Exception) and not issubclass(AnisoError, (ValueError, RuntimeError))
+    from aniso_plugins import config, errors, model, state
+
+    assert config.ConfigError is errors.ConfigError is aniso_plugins.ConfigError
+    assert model.SetupError is errors.SetupError is aniso_plugins.SetupError
+    assert state.StateError is errors.StateError is aniso_plugins.StateError
+    assert errors.AnisoError is aniso_plugins.AnisoError
+    for cls in (AnisoError, ConfigError, SetupError, StateError):
+        assert cls.__doc__ and "\n" not in cls.__doc__.strip()
+
+
+def test_raised_errors_are_caught_as_aniso_error_and_as_their_builtin(tmp_path):
+    def raise_config():
+        AnisoConfig(alpha=-1)
+
+    def raise_setup():
+        ModelHandle(nn.Sequential(nn.Linear(2, 2)), head="lm_head")
+
+    def raise_state():
+        path = tmp_path / "state.safetensors"
+        save_state(path, {"agg": {"x": torch.zeros(2)}}, AnisoConfig(method="agg").to_dict())
+        load_state(path, AnisoConfig().to_dict())
+
+    for raise_, builtin, error in [
+        (raise_config, ValueError, ConfigError),
+        (raise_setup, RuntimeError, SetupError),
+        (raise_state, RuntimeError, StateError),
+    ]:
+        try:
+            raise_()
+        except AnisoError as e:
+            assert type(e) is error and isinstance(e, builtin)
+        else:
+            pytest.fail(f"{raise_.__name__} raised nothing")
+        with pytest.raises(builtin):
+            raise_()
+
+
+# --- frozen, hashable, tuples -------------------------------------------------------------------
+def test_config_is_frozen_and_replace_validates_again():
+    cfg = AnisoConfig(method="agg")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.alpha = -1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.metrics = ("geometry", "geometry")
+    assert cfg.alpha == 0.03 and cfg.metrics == ("geometry",)
+    changed = cfg.replace(alpha=0.1, metrics=["eval"])
+    assert (changed.alpha, changed.metrics, changed.method) == (0.1, ("eval",), "agg")
+    assert cfg.alpha == 0.03  # the original is untouched
+    assert dataclasses.replace(cfg, alpha=0.1) == cfg.replace(alpha=0.1)
+    with pytest.raises(ConfigError, match="alpha=-1"):
+        cfg.replace(alpha=-1)
+    with pytest.raises(ConfigError, match="alpha=-1"):
+        dataclasses.replace(cfg, alpha=-1)
+    with pytest.raises(ConfigError, match="unknown configuration fields.*'alhpa'"):
+        cfg.replace(alhpa=0.1)
+
+
+def test_config_is_hashable_and_compares_by_value():
+    a = AnisoConfig(method="agg", special_ids=[0, 1], metrics=["geometry", "eval"])
+    b = AnisoConfig(method="agg", special_ids=(0, 1), metrics=("geometry", "eval"))
+    assert a == b and hash(a) == hash(b) and len({a, b, AnisoConfig()}) == 2
+    assert a != AnisoConfig(method="agg", special_ids=(0, 1))
+
+
+def test_sequence_fields_are_tuples_whatever_was_passed():
+    cfg = AnisoConfig(
+        special_ids=[0, 1],
+        reg_exclude_ids="2, 3 4",
+        agg_parts=["a,b"],
+        metrics=iter(["eval"]),
+        group_fractions=[0.2, "0.5", 0.3],
+    )
+    assert cfg.special_ids == (0, 1) and cfg.reg_exclude_ids == (2, 3, 4) and cfg.agg_parts == ("a", "b")
+    assert cfg.metrics == ("eval",) and cfg.group_fractions == (0.2, 0.5, 0.3)
+    sequences = ("special_ids", "reg_exclude_ids", "agg_parts", "metrics", "group_fractions")
+    assert all(type(getattr(cfg, f)) is tuple for f in sequences)
+    assert cfg.special_ids + cfg.reg_exclude_ids == (0, 1, 2, 3, 4)
+    assert AnisoConfig(special_ids=(torch.tensor(5),)).special_ids == (5,)  # integer tensors are token ids
+    assert AnisoConfig(metrics="").metrics == () == AnisoConfig(metrics=[""]).metrics
+    default = AnisoConfig()
+    assert (default.special_ids, default.agg_parts, default.metrics) == ((), ("b", "c"), ("geometry",))
+    assert default.group_fractions == (0.2, 0.5, 0.3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"special_ids": (1.5,)}, ["special_ids", "1.5", "int"]),
+        ({"special_ids": (True,)}, ["special_ids", "True"]),
+        ({"reg_exclude_ids": "0 x"}, ["reg_exclude_ids", "'x'", "int"]),
+        ({"metrics": ("geometry", 3)}, ["metrics", "3", "str"]),
+        ({"metrics": None}, ["metrics=None", "list"]),
+        ({"group_fractions": (0.5, "half", 0.25)}, ["group_fractions", "'half'", "float"]),
+    ],
+)
+def test_sequence_elements_of_the_wrong_type_name_the_field(kwargs, words):
+    with pytest.raises(ConfigError) as e:
+        AnisoConfig(**kwargs)
+    for w in words:
+        assert w in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"metrics": ("geometry", "geometry")}, "'geometry' is listed twice in metrics"),
+        ({"metrics": ("eval", "frequency", "eval")}, "'eval' is listed twice in metrics"),
+        ({"metrics": "geometry, geometry"}, "'geometry' is listed twice in metrics"),
+        ({"agg_parts": ("b", "c", "b")}, "'b' is listed twice in agg_parts"),
+    ],
+)
+def test_duplicates_in_sequence_fields_raise(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        AnisoConfig(**kwargs)
+
+
+def test_dict_round_trip_keeps_every_field():
+    cfg = AnisoConfig(**NON_DEFAULT)
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert data["metrics"] == ["frequency", "geometry", "eval"]  # JSON lists
+    assert AnisoConfig.from_dict(data) == cfg
+    assert AnisoConfig.from_dict({}) == AnisoConfig()
+
+
+# --- registry -----------------------------------------------------------------------------------
+def test_config_names_are_the_registry_names():
+    assert METHODS == tuple(registry.METHODS) and HEADS == tuple(registry.HEADS) and METRICS == tuple(registry.METRICS)
+    assert {"none", "agg", "cosreg", "hinge", "spectrum"} <= set(METHODS)
+    assert {"keep", "untie", "lowrank"} <= set(HEADS)
+    assert registry.NEEDS_TARGET_COUNTS <= set(METRICS)
+
+
+def _config_for(field: str, name: str) -> AnisoConfig:
+    kw = {"metrics": ()}
+    if field == "head" and name == "lowrank":
+        kw["lowrank_rank"] = 2
+    kw[field] = (name,) if field == "metrics" else name
+    return AnisoConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "field, name",
+    [("method", m) for m in METHODS] + [("head", h) for h in HEADS] + [("metrics", m) for m in METRICS],
+)
+def test_every_registered_name_resolves_to_a_named_plugin_class(field, name):
+    spec = registry.TABLES[field][name]
+    cls = registry.plugin_class(field, name)
+    if spec is None:
+        assert cls is None and name in ("none", "keep")
+        return
+    assert isinstance(cls, type) and cls is registry.resolve(spec)
+    config = _config_for(field, name)
+    counts = registry.resolve(registry.TARGET_COUNTS)()
+    plugin = cls(config, counts) if name in registry.NEEDS_TARGET_COUNTS else cls(config)
+    assert isinstance(getattr(plugin, "name", None), str) and plugin.name  # class or instance attribute
+
+
+def test_unknown_names_raise_config_error_listing_the_known_ones():
+    with pytest.raises(ConfigError) as e:
+        AnisoConfig(metrics=("geometry", "spectra"))
+    assert "metrics='spectra'" in str(e.value) and all(m in str(e.value) for m in METRICS)
+    with pytest.raises(ConfigError) as e:
+        registry.plugin_class("metrics", "spectra")
+    assert "metrics='spectra'" in str(e.value) and all(m in str(e.value) for m in METRICS)
+    with pytest.raises(ConfigError, match="method='agk'.*cosreg"):
+        registry.plugin_class("method", "agk")
+    with pytest.raises(ValueError, match="import string"):
+        registry.resolve("aniso_plugins.default_plugins.geometry.GeometryPlugin")
+
+
+def test_make_plugins_builds_head_method_counter_and_metrics_in_config_order():
+    config = AnisoConfig(head="lowrank", lowrank_rank=2, method="agg", metrics=("eval", "geometry", "frequency"))
+    plugins = aniso_make_plugins(config)
+    names = [type(p).__name__ for p in plugins]
+    assert names == [
+        "HeadPlugin", "AGGPlugin", "TargetCountsPlugin", "EvalPlugin", "GeometryPlugin", "FrequencyGroupsPlugin"
+    ]
+    counts = plugins[2]
+    assert plugins[3].counts is counts and plugins[5].counts is counts  # one shared counter
+    assert [type(p).__name__ for p in aniso_make_plugins(AnisoConfig(method="spectrum", metrics=("hidden",)))] == [
+        "RegularizerPlugin",
+        "HiddenStatesPlugin",
+    ]
+    assert aniso_make_plugins(AnisoConfig(metrics=())) == []
+
+
+# --- transformers' HfArgumentParser -------------------------------------------------------------
+def _hf_parser():
+    transformers = pytest.importorskip("transformers")
+    return transformers.HfArgumentParser((transformers.TrainingArguments, AnisoConfig))
+
+
+def _hf_flags(values: dict) -> list[str]:
+    flags = []
+    for k, v in values.items():
+        if isinstance(v, tuple):
+            flags += [f"--{k}", *map(str, v)]
+        else:
+            flags += [f"--{k}", str(v)]
+    return flags
+
+
+def test_hf_argument_parser_reads_the_flags_next_to_training_arguments(tmp_path):
+    parser = _hf_parser()
+    args = ["--output_dir", str(tmp_path), "--method", "agg", "--metrics", "geometry", "frequency"]
+    args += ["--special_ids", "0", "1", "--alpha", "0.05", "--learning_rate", "0.001"]
+    training, cfg = parser.parse_args_into_dataclasses(args)
+    assert cfg == AnisoConfig(method="agg", metrics=("geometry", "frequency"), special_ids=(0, 1), alpha=0.05)
+    assert cfg.metrics == ("geometry", "frequency") and type(cfg.special_ids) is tuple
+    assert training.learning_rate == 0.001 and training.output_dir == str(tmp_path)
+    _, default = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert default == AnisoConfig()
+
+
+def test_hf_argument_parser_carries_every_field(tmp_path):
+    _, cfg = _hf_parser().parse_args_into_dataclasses(["--output_dir", str(tmp_path), *_hf_flags(NON_DEFAULT)])
+    assert cfg == AnisoConfig(**NON_DEFAULT)
+
+
+def test_hf_argument_parser_boolean_and_empty_list_flags(tmp_path):
+    parser = _hf_parser()
+    out = ["--output_dir", str(tmp_path)]
+    _, cfg = parser.parse_args_into_dataclasses(out + ["--agg_fused", "--no_agg_g1", "--no-agg-g2", "--metrics", ""])
+    assert cfg == AnisoConfig(agg_fused=True, agg_g1=False, agg_g2=False, metrics=())
+    _, cfg = parser.parse_args_into_dataclasses(out + ["--agg_fused", "false", "--load_entry_points", "False"])
+    assert cfg == AnisoConfig(agg_fused=False, load_entry_points=False)
+    _, cfg = parser.parse_args_into_dataclasses(out + ["--metrics", "geometry,eval", "--window", "9"])
+    assert cfg == AnisoConfig(metrics=("geometry", "eval"), window=9)
+
+
+def test_hf_argument_parser_dict_and_json_file(tmp_path):
+    parser = _hf_parser()
+    data = {"output_dir": str(tmp_path), "method": "agg", "metrics": ["geometry", "frequency"], "special_ids": [0, 1]}
+    expected = AnisoConfig(method="agg", metrics=("geometry", "frequency"), special_ids=(0, 1))
+    assert parser.parse_dict(data)[1] == expected
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(data))
+    assert parser.parse_json_file(str(path))[1] == expected
+    path.write_text(json.dumps({"output_dir": str(tmp_path), **AnisoConfig(**NON_DEFAULT).to_dict()}))
+    assert parser.parse_json_file(str(path))[1] == AnisoConfig(**NON_DEFAULT)
+
+
+@pytest.mark.parametrize(
+    "flags, data, message",
+    [
+        (["--alpha", "-1"], {"alpha": -1}, "alpha=-1(.0)?: expected a number > 0"),
+        (["--metrics", "geometry", "spectra"], {"metrics": ["geometry", "spectra"]}, "metrics='spectra'"),
+        (["--metrics", "geometry", "geometry"], {"metrics": ["geometry"] * 2}, "'geometry' is listed twice in metrics"),
+        (["--group_fractions", "0.5", "0.5"], {"group_fractions": [0.5, 0.5]}, "group_fractions"),
+        (["--head", "lowrank"], {"head": "lowrank"}, "lowrank_rank=None"),
+    ],
+)
+def test_hf_argument_parser_bad_values_raise_config_error_naming_the_field(tmp_path, flags, data, message):
+    with pytest.raises(ConfigError, match=message):
+        _hf_parser().parse_args_into_dataclasses(["--output_dir", str(tmp_path), *flags])
+    with pytest.raises(ConfigError, match=message):
+        _hf_parser().parse_dict({"output_dir": str(tmp_path), **data})
+
+
+# --- tyro (torchtitan's CLI) --------------------------------------------------------------------
+def test_tyro_round_trip_without_type_warnings():
+    tyro = pytest.importorskip("tyro")
+    flags = []
+    for k, v in NON_DEFAULT.items():
+        name = k.replace("_", "-")
+        if isinstance(v, bool):
+            flags.append(f"--{name}" if v else f"--no-{name}")
+        elif isinstance(v, tuple):
+            flags += [f"--{name}", *map(str, v)]
+        else:
+            flags += [f"--{name}", str(v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. tyro's "annotated with list, default is a tuple"
+        assert tyro.cli(AnisoConfig, args=flags) == AnisoConfig(**NON_DEFAULT)
+        assert tyro.cli(AnisoConfig, args=[]) == AnisoConfig()
+        assert tyro.cli(AnisoConfig, args=["--metrics"]).metrics == ()
+        start = AnisoConfig(method="agg", metrics=("geometry", "eval"))
+        assert tyro.cli(AnisoConfig, default=start, args=["--alpha", "0.1"]) == start.replace(alpha=0.1)
+
+
+# --- LightningCLI -------------------------------------------------------------------------------
+try:
+    import lightning.pytorch as _pl
+except ImportError:  # pragma: no cover - without the lightning extra
+    _pl = None
+
+
+if _pl is not None:
+
+    class TinyLightningLM(_pl.LightningModule):
+        """Enough of a LightningModule for LightningCLI to instantiate (nothing is trained)."""
+
+        def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, ids):
+            return self.lm_head(self.embed(ids))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def next_token_targets(batch) -> torch.Tensor:
+    """A targets function a YAML can name (jsonargparse needs the ``-> torch.Tensor``)."""
+    return batch["labels"][:, 1:]
+
+
+def _lightning_cli(args, monkeypatch):
+    pytest.importorskip("jsonargparse")
+    if _pl is None:
+        pytest.skip("lightning is not installed")
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setattr("sys.argv", ["train.py"])  # pytest's own arguments are not the CLI's
+    cli = LightningCLI(TinyLightningLM, run=False, args=args, save_config_callback=None, seed_everything_default=0)
+    from aniso_plugins.integrations.lightning import AnisoCallback
+
+    found = [c for c in cli.trainer.callbacks if isinstance(c, AnisoCallback)]
+    assert len(found) == 1
+    return found[0]
+
+
+def _trainer(root, callback: dict) -> dict:
+    return {"trainer": {"logger": False, "default_root_dir": str(root), "callbacks": [callback]}}
+
+
+YAML = """
+trainer:
+  logger: false
+  enable_checkpointing: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: aniso_plugins.integrations.lightning.AnisoCallback
+      init_args:
+        config:
+          method: agg
+          alpha: 0.05
+          special_ids: [0, 1]
+          metrics: [geometry, frequency]
+          agg_g1: false
+        head: lm_head
+        input_embedding: embed
+        targets: {module}.next_token_targets
+"""
+
+
+def test_lightning_cli_yaml_configures_the_callback(tmp_path, monkeypatch):
+    path = tmp_path / "config.yaml"
+    path.write_text(YAML.format(root=tmp_path, module=__name__))
+    callback = _lightning_cli(["--config", str(path)], monkeypatch)
+    expected = AnisoConfig(
+        method="agg", alpha=0.05, special_ids=(0, 1), metrics=("geometry", "frequency"), agg_g1=False
+    )
+    assert callback.config == expected and type(callback.config.metrics) is tuple
+    assert callback._paths == {"head": "lm_head", "input_embedding": "embed", "blocks": None}
+    assert callback._targets is next_token_targets
+    # command-line overrides of the YAML, and the config given by class_path
+    override = ["--trainer.callbacks.config.metrics", "[eval]"]
+    callback = _lightning_cli(["--config", str(path), *override], monkeypatch)
+    assert callback.config == expected.replace(metrics=("eval",))
+    cb = {
+        "class_path": "aniso_plugins.integrations.lightning.AnisoCallback",
+        "init_args": {"config": {"class_path": "aniso_plugins.AnisoConfig", "init_args": {"method": "cosreg"}}},
+    }
+    callback = _lightning_cli(_trainer(tmp_path, cb), monkeypatch)
+    assert callback.config == AnisoConfig(method="cosreg")
+
+
+def test_lightning_cli_bad_config_value_names_the_field(tmp_path, monkeypatch):
+    cb = {
+        "class_path": "aniso_plugins.integrations.lightning.AnisoCallback",
+        "init_args": {"config": {"method": "agg", "metrics": ["geometry", "geometry"]}},
+    }
+    with pytest.raises(ValueError, match="'geometry' is listed twice in metrics"):
+        _lightning_cli(_trainer(tmp_path, cb), monkeypatch)
+    cb["init_args"]["config"] = {"alpha": -1}
+    with pytest.raises(ValueError, match="alpha=-1.0: expected a number > 0"):
+        _lightning_cli(_trainer(tmp_path, cb), monkeypatch)
