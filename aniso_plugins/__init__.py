@@ -11,9 +11,10 @@ from .agg import AGGGates, agg_gates, agg_linear
 from .agg_head import AGGForward
 from .bottleneck import bottleneck_finish, bottleneck_stats, gradient_bottleneck, logit_gradient_rank
 from .config import AnisoConfig, ConfigError
-from .counter import TokenCounter
+from .counter import SlidingTokenCounter
 from .distributed import LocalRows, full_rows, local_rows
 from .errors import AnisoError
+from .frequency import CumulativeTargetCounts, frequency_groups
 from .fused_ce import agg_cross_entropy
 from .geometry import (
     Spectrum,
@@ -26,7 +27,7 @@ from .geometry import (
     spectrum,
     w_error,
 )
-from .heads import LowRankHead, merge_low_rank, merge_low_rank_heads
+from .lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
 from .hookspecs import hookimpl
 from .isoscore import isoscore
 from .loss import attach_loss
@@ -45,6 +46,7 @@ __all__ = [
     "AnisoError",
     "AnisoPlugins",
     "ConfigError",
+    "CumulativeTargetCounts",
     "LocalRows",
     "LowRankHead",
     "ModelHandle",
@@ -56,7 +58,7 @@ __all__ = [
     "StateError",
     "StepInfo",
     "TrainingSession",
-    "TokenCounter",
+    "SlidingTokenCounter",
     "agg_cross_entropy",
     "agg_gates",
     "agg_linear",
@@ -69,6 +71,7 @@ __all__ = [
     "cosreg",
     "effective_rank",
     "find_handle",
+    "frequency_groups",
     "full_rows",
     "gradient_bottleneck",
     "hookimpl",

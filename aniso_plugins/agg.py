@@ -91,7 +91,7 @@ def agg_gates(
         g2_k = min(a_k / (ā_r + ε/steps), 1) on V_r, 1 elsewhere,    ā_r = mean_{r∈V_r} a_r,
 
     with ε = 1e-7: the official guard ``c_k / (c̄_r + 1e-7)`` is on counts c = a·steps, so pass
-    ``steps = min(t, K)`` (`TokenCounter.steps_in_window`) for the same guard (equal up to
+    ``steps = min(t, K)`` (`SlidingTokenCounter.steps_in_window`) for the same guard (equal up to
     float32 rounding). Comparisons and gates are float32, as in the official code. An empty
     rare group gives all gates 1; a rare group that never occurred gives g2 = 0 on it.
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from .agg import AGGGates, agg_linear
 from .fused_ce import agg_cross_entropy
+from .linalg import ROW_BLOCK
 from .steps import TargetChunks
 
 logger = logging.getLogger("aniso_plugins")
@@ -37,7 +38,7 @@ class AGGForward:
     Any other call runs the module's original forward. `remove` restores it.
     """
 
-    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int = 1024) -> None:
+    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int = ROW_BLOCK) -> None:
         if isinstance(getattr(module.forward, "__self__", None), AGGForward):
             raise ValueError(f"AGGForward: {type(module).__name__} already has an AGG forward installed")
         self.module = module

@@ -28,14 +28,14 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from .linalg import eigh_gram, gram_stats_blocked
+from .linalg import ROW_BLOCK, eigh_gram, gram_stats_blocked
 from .reduce import Stat
 
 LOGIT_ELEMENTS = 1 << 22
 """Logit entries (tokens × V) materialised at a time by `gradient_bottleneck`."""
 
 
-def squared_row_norms(grad: torch.Tensor, block_rows: int = 1024) -> torch.Tensor:
+def squared_row_norms(grad: torch.Tensor, block_rows: int = ROW_BLOCK) -> torch.Tensor:
     """‖g_i‖² of every row of an (N, V) logit gradient, as float64: a vector norm accumulated in
     float32 (float64 for float64 input; bf16/fp16 upcast one block of rows at a time), relative
     error ~1e-6 at V = 50k, squared in float64."""

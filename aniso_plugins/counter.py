@@ -8,7 +8,7 @@ The official code (``ysw1021/AGG``, ``fairseq/criterions/cross_entropy_agg.py``)
 
 i.e. the counts of the last ≤ K steps, the current (possibly partial) step included.
 
-`TokenCounter` returns exactly the same ``a`` (same float32 division of the same integers) but
+`SlidingTokenCounter` returns exactly the same ``a`` (same float32 division of the same integers) but
 stores what the window really holds: one sparse (ids, counts) pair per step plus a running
 total over the window. An update costs O(n log n) in the n targets of the micro-batch (one
 sort), ending a step O(tokens of the step + tokens of the evicted step); nothing is O(K·V).
@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["TokenCounter"]
+__all__ = ["SlidingTokenCounter"]
 
 
 def _compact(ids: torch.Tensor, counts: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,7 @@ def _coalesce(ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, to
     return unique, summed
 
 
-class TokenCounter:
+class SlidingTokenCounter:
     """Counts of target ids over the last `window` optimizer steps (AGG's token counter memory).
 
     Args:
@@ -199,18 +199,18 @@ class TokenCounter:
         keys = {"step", "vocab_size", "window", "sizes", "ids", "counts", "current_ids", "current_counts"}
         missing = keys - set(state)
         if missing:
-            raise ValueError(f"TokenCounter.load_state_dict: missing keys {sorted(missing)}")
+            raise ValueError(f"SlidingTokenCounter.load_state_dict: missing keys {sorted(missing)}")
         v, k = int(state["vocab_size"][0]), int(state["window"][0])
         if (v, k) != (self.vocab_size, self.window):
             raise ValueError(
-                f"TokenCounter.load_state_dict: saved vocab_size={v}, window={k}; "
+                f"SlidingTokenCounter.load_state_dict: saved vocab_size={v}, window={k}; "
                 f"this counter has vocab_size={self.vocab_size}, window={self.window}"
             )
         ids, counts = state["ids"].to(torch.int64), state["counts"].to(torch.int64)
         sizes = [int(s) for s in state["sizes"]]
         if sum(sizes) != ids.numel() or len(sizes) > k - 1:
             raise ValueError(
-                f"TokenCounter.load_state_dict: inconsistent sizes {sizes} for {ids.numel()} ids, window {k}"
+                f"SlidingTokenCounter.load_state_dict: inconsistent sizes {sizes} for {ids.numel()} ids, window {k}"
             )
         self._t = int(state["step"][0])
         self._total = torch.zeros(self.vocab_size, dtype=torch.int64)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .agg import AGGGates, check_inputs, compute_dtypes, row_gating
+from .linalg import ROW_BLOCK
 
 __all__ = ["agg_cross_entropy"]
 
@@ -112,7 +113,7 @@ def agg_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = ROW_BLOCK,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 

@@ -15,6 +15,10 @@ import torch.distributed as dist
 
 from .distributed import is_distributed
 
+ROW_BLOCK = 1024
+"""Rows processed at a time wherever a (rows × V) intermediate is formed (fused cross-entropy
+chunks, exact-hinge blocks, evaluation logits, logit-gradient norms): memory O(ROW_BLOCK · V)."""
+
 
 class GramStats(NamedTuple):
     """Σ_i w_i w_iᵀ (d, d), Σ_i w_i (d,), and the row count n (0-d), all float64."""

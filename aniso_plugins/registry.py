@@ -30,8 +30,8 @@ METHODS: Mapping[str, str | None] = {
 
 HEADS: Mapping[str, str | None] = {
     "keep": None,
-    "untie": f"{_PKG}.heads:HeadPlugin",
-    "lowrank": f"{_PKG}.heads:HeadPlugin",
+    "untie": f"{_PKG}.head_surgery:HeadSurgeryPlugin",
+    "lowrank": f"{_PKG}.head_surgery:HeadSurgeryPlugin",
 }
 """``AnisoConfig.head`` -> the head-surgery plugin."""
 

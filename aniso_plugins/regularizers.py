@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import ceil_div, chunk_bounds, local_rows
-from .linalg import all_reduce_sum_shared, gram_stats, singular_values
+from .linalg import ROW_BLOCK, all_reduce_sum_shared, gram_stats, singular_values
 
 Prior = Literal["poly", "exp", "ratio"]
 PRIORS: tuple[str, ...] = ("poly", "exp", "ratio")
@@ -238,7 +238,7 @@ def cosine_hinge(
     weight: torch.Tensor,
     margin: float,
     *,
-    block: int = 1024,
+    block: int = ROW_BLOCK,
     sample: int | None = None,
     generator: torch.Generator | None = None,
     exclude_ids: Sequence[int] = (),

@@ -146,14 +146,14 @@ def timing(args, variants: list[str]) -> tuple[dict[str, list[float]], dict[str,
 
 
 def counter_benchmark(args) -> list[str]:
-    from aniso_plugins import TokenCounter, agg_gates
+    from aniso_plugins import SlidingTokenCounter, agg_gates
 
     torch.set_num_threads(args.threads)
     lines = []
     for law in ("zipf1.2", "uniform"):
         g = torch.Generator().manual_seed(1)
         probs = _zipf(args.vocab)
-        counter = TokenCounter(args.vocab, args.window)
+        counter = SlidingTokenCounter(args.vocab, args.window)
         upd, gate_t = [], []
         for _ in range(args.counter_steps):
             if law == "uniform":

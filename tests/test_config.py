@@ -240,7 +240,7 @@ def test_make_plugins_builds_head_method_counter_and_metrics_in_config_order():
     plugins = aniso_make_plugins(config)
     names = [type(p).__name__ for p in plugins]
     assert names == [
-        "HeadPlugin", "AGGPlugin", "TargetCountsPlugin", "EvalPlugin", "GeometryPlugin", "FrequencyGroupsPlugin"
+        "HeadSurgeryPlugin", "AGGPlugin", "TargetCountsPlugin", "EvalPlugin", "GeometryPlugin", "FrequencyGroupsPlugin"
     ]
     counts = plugins[2]
     assert plugins[3].counts is counts and plugins[5].counts is counts  # one shared counter

@@ -1,4 +1,4 @@
-"""TokenCounter against the official dense (K+1)×V ring buffer (methods.md §1.1), written out
+"""SlidingTokenCounter against the official dense (K+1)×V ring buffer (methods.md §1.1), written out
 here as the official criterion does it, on random streams with gradient accumulation,
 ignored positions and many wrap-arounds; state round trips; memory; bad inputs."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aniso_plugins import TokenCounter
+from aniso_plugins import SlidingTokenCounter
 
 
 class DenseRing:
@@ -55,7 +55,7 @@ def _stream(seed, vocab, steps, max_micro, max_len, skew):
 )
 def test_equals_dense_ring_buffer(vocab, window, specials, skew, steps):
     ref = DenseRing(vocab, window, specials)
-    counter = TokenCounter(vocab, window, always_frequent=specials)
+    counter = SlidingTokenCounter(vocab, window, always_frequent=specials)
     for t, micro in enumerate(_stream(vocab + window, vocab, steps, 3, 9, skew), start=1):
         assert counter.step_index == t and counter.steps_in_window == min(t, window)
         for targets in micro:
@@ -70,7 +70,7 @@ def test_equals_dense_ring_buffer(vocab, window, specials, skew, steps):
 def test_counts_of_last_k_steps_brute_force():
     """After K + 5 steps the counts are the brute-force counts of the last K steps (methods.md §11)."""
     vocab, window = 11, 4
-    counter = TokenCounter(vocab, window)
+    counter = SlidingTokenCounter(vocab, window)
     history = []
     for micro in _stream(3, vocab, window + 5, 2, 6, 0.7):
         for targets in micro:
@@ -85,14 +85,14 @@ def test_counts_of_last_k_steps_brute_force():
 
 def test_state_round_trip_mid_step_continues_identically():
     vocab, window = 23, 4
-    a, b = TokenCounter(vocab, window, always_frequent=(3,)), None
+    a, b = SlidingTokenCounter(vocab, window, always_frequent=(3,)), None
     stream = list(_stream(11, vocab, 16, 3, 8, 1.0))
     for t, micro in enumerate(stream, start=1):
         for m, targets in enumerate(micro):
             a.update(targets)
             if t == 9 and m == 0:  # save in the middle of a step (partial counts)
                 state = {k: v.clone() for k, v in a.state_dict().items()}
-                b = TokenCounter(vocab, window, always_frequent=(3,))
+                b = SlidingTokenCounter(vocab, window, always_frequent=(3,))
                 b.load_state_dict(state)
                 assert torch.equal(b.appearance(), a.appearance()) and b.step_index == a.step_index
             elif b is not None:
@@ -106,18 +106,18 @@ def test_state_round_trip_mid_step_continues_identically():
 
 
 def test_load_state_rejects_other_window_or_vocab():
-    state = TokenCounter(10, 3).state_dict()
+    state = SlidingTokenCounter(10, 3).state_dict()
     with pytest.raises(ValueError, match="window=3"):
-        TokenCounter(10, 4).load_state_dict(state)
+        SlidingTokenCounter(10, 4).load_state_dict(state)
     with pytest.raises(ValueError, match="vocab_size=10"):
-        TokenCounter(11, 3).load_state_dict(state)
+        SlidingTokenCounter(11, 3).load_state_dict(state)
     with pytest.raises(ValueError, match="missing keys"):
-        TokenCounter(10, 3).load_state_dict({"step": state["step"]})
+        SlidingTokenCounter(10, 3).load_state_dict({"step": state["step"]})
 
 
 def test_memory_holds_only_the_window():
     vocab, window = 50_000, 6
-    counter = TokenCounter(vocab, window)
+    counter = SlidingTokenCounter(vocab, window)
     sizes = []
     for step in range(20):
         counter.update(torch.arange(100).repeat(5) + step)  # 100 distinct ids per step
@@ -132,14 +132,14 @@ def test_memory_holds_only_the_window():
 
 def test_compact_dtypes_are_exact_for_large_ids_and_counts():
     vocab = 70_000  # ids need int32
-    counter = TokenCounter(vocab, 2)
+    counter = SlidingTokenCounter(vocab, 2)
     targets = torch.cat([torch.full((40_000,), 69_999), torch.tensor([0, 65_535, 65_536])])  # count 40000 > int16
     counter.update(targets)
     counter.step()
     c = counter.counts()
     assert int(c[69_999]) == 40_000 and int(c[65_536]) == 1 and int(c[0]) == 1 and int(c.sum()) == 40_003
     state = counter.state_dict()
-    other = TokenCounter(vocab, 2)
+    other = SlidingTokenCounter(vocab, 2)
     other.load_state_dict(state)
     assert torch.equal(other.counts(), c)
     for _ in range(2):
@@ -157,13 +157,13 @@ def test_compact_dtypes_are_exact_for_large_ids_and_counts():
 )
 def test_constructor_errors(kwargs, error, words):
     with pytest.raises(error) as e:
-        TokenCounter(**kwargs)
+        SlidingTokenCounter(**kwargs)
     for w in words:
         assert w in str(e.value)
 
 
 def test_update_errors():
-    counter = TokenCounter(5, 2)
+    counter = SlidingTokenCounter(5, 2)
     with pytest.raises(ValueError, match=r"\[0, 5\).*\[0, 7\]"):
         counter.update(torch.tensor([0, 7]))
     with pytest.raises(ValueError, match=r"\[-3, 1\]"):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, SetupError, StepInfo
-from aniso_plugins.heads import LowRankHead, merge_low_rank, merge_low_rank_heads
+from aniso_plugins.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
 from aniso_plugins.model import OutputEmbeddingsHandle
 
 V, D = 40, 8

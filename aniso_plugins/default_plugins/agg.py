@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..agg import AGGGates, agg_gates
 from ..agg_head import AGGForward
 from ..config import AnisoConfig, ConfigError
-from ..counter import TokenCounter
+from ..counter import SlidingTokenCounter
 from ..distributed import is_distributed
 from ..hookspecs import hookimpl
 from ..model import ModelHandle, SetupError
@@ -49,7 +49,7 @@ class AGGPlugin:
         self.config = config
         self.process_group: dist.ProcessGroup | None = None
         self.head: AGGForward | None = None
-        self.counter: TokenCounter | None = None
+        self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
         self.last_gates: AGGGates | None = None
         self._static: tuple[torch.Tensor, int] | None = None  # (appearance, steps) frozen by agg_static_after
@@ -75,7 +75,7 @@ class AGGPlugin:
             )
         if self.counter is not None and self.counter.window == window:
             return  # training again with the same window: keep the counts
-        self.counter = TokenCounter(
+        self.counter = SlidingTokenCounter(
             self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index
         )
         self._static = None
@@ -151,12 +151,12 @@ class AGGPlugin:
             self._static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]))
 
     # --- internals ------------------------------------------------------------------------------
-    def _ready(self) -> TokenCounter:
+    def _ready(self) -> SlidingTokenCounter:
         if self.counter is None:
             raise RuntimeError("AGG: no token counter yet (the adapter must call TrainingSession.begin_training first)")
         return self.counter
 
-    def _gates(self, counter: TokenCounter) -> AGGGates:
+    def _gates(self, counter: SlidingTokenCounter) -> AGGGates:
         c = self.config
         appearance, steps = self._static or (counter.appearance(), counter.steps_in_window)
         return agg_gates(

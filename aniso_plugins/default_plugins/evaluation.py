@@ -8,7 +8,7 @@ Over the positions of the evaluation batches whose target is not ``config.ignore
 - ``eval/uniq`` = number of distinct argmax next-token predictions; ``eval/uniq_<group>`` the
   number of those predicted ids that belong to the group (the union over ranks, not a sum).
 
-Groups (rare / medium / frequent) come from `frequency.frequency_groups` over the shared counts
+Groups (rare / medium / frequent) come from `aniso_plugins.frequency.frequency_groups` over the shared counts
 of training targets (`TargetCountsPlugin`), applied when the measurement is finished.
 Uniq depends on segment length, split and vocabulary: not comparable across papers (§6).
 """
@@ -21,14 +21,13 @@ from collections.abc import Mapping
 import torch
 
 from ..config import AnisoConfig
+from ..frequency import GROUPS, frequency_groups
 from ..hookspecs import hookimpl
+from ..linalg import ROW_BLOCK
 from ..reduce import Stat
 from ..steps import StepInfo
-from .frequency import GROUPS, frequency_groups
 from .target_counts import TargetCountsPlugin
 
-ROWS_PER_CHUNK = 1024
-"""Positions whose logits are upcast (to float32; float64 logits stay float64) at a time."""
 
 
 class EvalPlugin:
@@ -68,8 +67,8 @@ class EvalPlugin:
         if y.numel() and (int(y.min()) < 0 or int(y.max()) >= v):
             raise ValueError(f"targets must lie in [0, {v}) or equal ignore_index={self.config.ignore_index}")
         dtype = torch.promote_types(z.dtype, torch.float32)
-        for start in range(0, y.numel(), ROWS_PER_CHUNK):
-            zc, yc = z[start : start + ROWS_PER_CHUNK].to(dtype), y[start : start + ROWS_PER_CHUNK]
+        for start in range(0, y.numel(), ROW_BLOCK):
+            zc, yc = z[start : start + ROW_BLOCK].to(dtype), y[start : start + ROW_BLOCK]
             nll = torch.logsumexp(zc, dim=-1) - zc.gather(1, yc[:, None]).squeeze(1)
             self._nll.index_add_(0, yc, nll.double())
             self._tokens.index_add_(0, yc, torch.ones_like(nll, dtype=torch.float64))

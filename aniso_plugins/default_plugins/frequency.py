@@ -1,19 +1,18 @@
-"""Frequency groups: rare / medium / frequent tokens by training-target count, and the
-geometry of the LM head within and between them (Yu et al. 2022, the AGG paper, §3).
-
-This module is the one home of the group split (`frequency_groups`); the counts come from the
-shared `TargetCountsPlugin`, which `EvalPlugin` also reads for its per-group perplexity and Uniq.
+"""Frequency groups: the geometry of the LM head within and between the rare / medium /
+frequent groups (Yu et al. 2022, the AGG paper, §3). The split is `aniso_plugins.frequency`'s;
+the counts come from the shared `TargetCountsPlugin`, which `EvalPlugin` also reads for its
+per-group perplexity and Uniq.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 
 from ..config import AnisoConfig
 from ..distributed import local_rows
+from ..frequency import GROUPS, frequency_groups
 from ..geometry import (
     Spectrum,
     cross_cosine_finish,
@@ -29,33 +28,6 @@ from ..model import ModelHandle
 from ..reduce import Stat
 from ..steps import StepInfo
 from .target_counts import TargetCountsPlugin
-
-GROUPS = ("rare", "medium", "frequent")
-"""Group names; `frequency_groups` returns their indices 0, 1, 2."""
-
-
-def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float] = (0.2, 0.5, 0.3)) -> torch.Tensor:
-    """Group index per token id (0 rare, 1 medium, 2 frequent) from target counts.
-
-    Tokens are ordered by count, descending, ties broken by ascending id (a stable sort; with
-    no counts yet the split is by id). The first ⌊f_frequent·V + ½⌋ of that order are frequent,
-    the last ⌊f_rare·V + ½⌋ rare, the rest medium: `fractions` = (rare, medium, frequent)
-    shares, default 20% / 50% / 30% of the vocabulary as in the AGG paper §3. (The official AGG
-    evaluation code uses fixed id boundaries of its sorted dictionary instead, methods.md §1.8.)"""
-    if counts.dim() != 1:
-        raise ValueError(f"counts must be 1-D (V,), got shape {tuple(counts.shape)}")
-    if len(fractions) != 3 or any(not 0 < f < 1 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:
-        raise ValueError(
-            f"fractions={fractions!r}: expected three shares in (0, 1) summing to 1 (rare, medium, frequent)"
-        )
-    v = counts.numel()
-    n_rare, n_freq = math.floor(fractions[0] * v + 0.5), math.floor(fractions[2] * v + 0.5)
-    order = torch.sort(counts, descending=True, stable=True).indices
-    groups = torch.ones(v, dtype=torch.long, device=counts.device)
-    groups[order[:n_freq]] = 2
-    groups[order[v - n_rare :]] = 0
-    return groups
-
 
 class FrequencyGroupsPlugin:
     """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.geometry.isotropy`)
@@ -116,4 +88,4 @@ class FrequencyGroupsPlugin:
         return out
 
 
-__all__ = ["FrequencyGroupsPlugin", "GROUPS", "frequency_groups"]
+__all__ = ["FrequencyGroupsPlugin"]

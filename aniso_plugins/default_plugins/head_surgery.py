@@ -20,19 +20,19 @@ an untied head.
 from __future__ import annotations
 
 from ..config import AnisoConfig, ConfigError
-from ..heads import LowRankHead
+from ..lowrank import LowRankHead
 from ..hookspecs import hookimpl
 from ..model import ModelHandle, SetupError
 
 
-class HeadPlugin:
+class HeadSurgeryPlugin:
     """Untied or low-rank LM head, set up before any other plugin (see the module docstring)."""
 
     name = "head"
 
     def __init__(self, config: AnisoConfig) -> None:
         if config.head not in ("untie", "lowrank"):
-            raise ConfigError(f"head={config.head!r}: HeadPlugin handles 'untie' and 'lowrank'")
+            raise ConfigError(f"head={config.head!r}: HeadSurgeryPlugin handles 'untie' and 'lowrank'")
         self.config = config
 
     @hookimpl(tryfirst=True)
@@ -47,4 +47,4 @@ class HeadPlugin:
         model.set_head(head)
 
 
-__all__ = ["HeadPlugin"]
+__all__ = ["HeadSurgeryPlugin"]

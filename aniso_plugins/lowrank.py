@@ -2,7 +2,7 @@
 
 Untying needs no helper of its own: `ModelHandle.untie()` gives the head an independent copy
 of the shared weight and calls the handle's ``on_untie`` callback (the HF adapter's sets
-``config.tie_word_embeddings = False`` so that nothing re-ties it); `HeadPlugin` calls it.
+``config.tie_word_embeddings = False`` so that nothing re-ties it); `HeadSurgeryPlugin` calls it.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def merge_low_rank_heads(model: nn.Module) -> list[str]:
     for mid-training checkpoints: a resumed run loads ``A`` / ``B`` into the low-rank head that
     its set-up builds again).
 
-    A low-rank head is independent of the input embedding. `HeadPlugin` unties the model before
+    A low-rank head is independent of the input embedding. `HeadSurgeryPlugin` unties the model before
     building it, which (through the handle's ``on_untie``) sets a transformers model's
     ``config.tie_word_embeddings`` to False; a model whose flag is still True (a low-rank head
     built by hand on a tied model) is refused, since its ``tie_weights()`` would tie the merged
@@ -148,7 +148,7 @@ def merge_low_rank_heads(model: nn.Module) -> list[str]:
     if paths and any(getattr(cfg, "tie_word_embeddings", False) for cfg in (config, text)):
         raise ValueError(
             f"{type(model).__name__}.config.tie_word_embeddings is True: from_pretrained would tie the merged "
-            "head back to the input embedding; set it to False first (HeadPlugin does so when it builds the "
+            "head back to the input embedding; set it to False first (HeadSurgeryPlugin does so when it builds the "
             "low-rank head on a tied model)"
         )
     for path in paths:
