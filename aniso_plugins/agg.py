@@ -1,10 +1,10 @@
-"""AGG: adaptive gradient gating of rare-token embeddings (Yu et al., ACL 2022; methods.md §1).
+"""AGG: adaptive gradient gating of rare-token embeddings (Yu et al., ACL 2022; docs/methods.md §1).
 
 The official code (``ysw1021/AGG``, ``cross_entropy_agg.py``) computes three logits per
 position, z0 = sg(W)h (gradient to h only) and z1 / z2 = the gated stop-gradient trick
 g ⊙ (W sg(h)) + (1−g) ⊙ sg(Wh) (gradient to W only, z1 for non-rare targets, z2 for rare
-ones), and sums their NLLs. All three share one softmax p, so (methods.md §1.5,
-performance.md §3.2) the gradients are
+ones), and sums their NLLs. All three share one softmax p, so (docs/methods.md §1.5,
+docs/performance.md §3.2) the gradients are
 
     ∂L/∂h_i = Wᵀ(p_i − e_{y_i})                         (plain cross-entropy),
     ∂L/∂W   = (G ⊙ Γ)ᵀ X,   G = ∂L/∂z (plain),   Γ_ik = g1_k if y_i ∉ V_r, g2_k if y_i ∈ V_r,
@@ -39,7 +39,7 @@ class AGGGates:
     """Per-vocabulary-id gates of one micro-batch (detached constants, float32, shape (V,)).
 
     g1: factor on the logit gradient of id k in rows whose target is not rare (part (b) of
-        methods.md §0 for rare k); 1 on non-rare ids.
+        docs/methods.md §0 for rare k); 1 on non-rare ids.
     g2: the same in rows whose target is rare (part (c)); 1 on non-rare ids.
     rare: bool (V,), the rare group V_r (decides which of g1 / g2 a row uses).
     g_target: factor on the target entry (i, y_i) (part (a)); None means 1, as the official
@@ -84,7 +84,7 @@ def agg_gates(
     parts: Iterable[str] = ("b", "c"),
     freeze_rare: bool = False,
 ) -> AGGGates:
-    """Gates from the token appearance, as the official code (methods.md §1.2-1.3).
+    """Gates from the token appearance, as the official code (docs/methods.md §1.2-1.3).
 
         V_r = {k : a_k < α}                                          (strict),
         g1_k = a_k on V_r, 1 elsewhere,
@@ -288,13 +288,13 @@ def agg_linear(
 ) -> torch.Tensor:
     """Logits ``F.linear(hidden, weight, bias)`` whose backward gates the weight gradient (AGG).
 
-    Backward (methods.md §1.5): the gradient to `hidden` (and everything before it) and to
+    Backward (docs/methods.md §1.5): the gradient to `hidden` (and everything before it) and to
     `bias` is the ordinary one; the gradient to `weight` is ``(G ⊙ Γ)ᵀ X`` with G the incoming
     logit gradient and Γ_ik = g1_k (target y_i not rare), g2_k (y_i rare), Γ_{i,y_i} =
     g_target[y_i] (1 by default). Rows with ``targets == ignore_index`` are gated like
     non-rare-target rows (under cross-entropy their gradient is 0 anyway). Combined with
     cross-entropy, the gradients equal the official three-logit construction (z0 = sg(W)h,
-    z1/z2 gated to W only), but the loss is plain CE, not the official 2× (methods.md §1.6.2).
+    z1/z2 gated to W only), but the loss is plain CE, not the official 2× (docs/methods.md §1.6.2).
 
     hidden: (..., d); weight: (V, d), a full tensor (under FSDP2 call it inside the head's
     forward, where the parameter is unsharded); targets: (...) ids aligned with the output

@@ -1,5 +1,5 @@
 """The LM-head gradient bottleneck (Godey & Artzi 2026, "Lost in Backpropagation"; seed 001;
-methods.md §9, performance.md §5.6).
+docs/methods.md §9, docs/performance.md §5.6).
 
 For a position i with hidden state h_i, logits z_i = W h_i (W: V×d) and target y_i, the logit
 gradient is g_i = softmax(z_i) − e_{y_i}. The backbone only receives dh_i = Wᵀ g_i, so the part
@@ -11,14 +11,14 @@ so everything follows from the head-input gradient dh_i and the d×d Gram WᵀW:
 eigen-decomposition, no projector, nothing V×V. Metrics (names as returned):
 
 - ``lost_fraction``: pooled and squared, ℓ² = 1 − Σ_i ‖P g_i‖² / Σ_i ‖g_i‖² = 1 − ‖PG‖²_F/‖G‖²_F (G
-  the stacked logit gradients); ≈ 1 − d/V at random initialisation (methods.md §9.2);
+  the stacked logit gradients); ≈ 1 − d/V at random initialisation (docs/methods.md §9.2);
 - ``lost_fraction_norm``: ℓ = √ℓ² = ‖(I − P)G‖_F / ‖G‖_F (the norm, not squared, variant);
 - ``kept_cosine``: token mean of cos(g_i, P g_i) = ‖P g_i‖ / ‖g_i‖ (the seed's "cosine similarity
   between the logit gradient and its projection", Fig. 4b);
 - ``lost_fraction_token``: token mean of 1 − ‖P g_i‖²/‖g_i‖² (differs from the pooled value);
 - ``tokens``: positions counted.
 
-Which of these is the paper's Equation 1 is not checked (methods.md §9.1): report them by name.
+Which of these is the paper's Equation 1 is not checked (docs/methods.md §9.1): report them by name.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def logit_gradient_rank(
     positions dropped): the number of singular values σ_j(G) > rtol·σ_max(G), G in float64.
 
     The seed (Godey & Artzi 2026, §2.4 / Fig. 7a) counts "non-null (> 1e-6) diagonal R values"
-    of a QR decomposition; an unpivoted QR is not rank-revealing (methods.md §9.4), so we count
+    of a QR decomposition; an unpivoted QR is not rank-revealing (docs/methods.md §9.4), so we count
     singular values instead, with a *relative* threshold (default 1e-6). Memory N·V·8 bytes."""
     if not (isinstance(rtol, float | int) and 0 < rtol < 1):
         raise ValueError(f"rtol={rtol!r}: expected a number in (0, 1)")

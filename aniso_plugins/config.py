@@ -81,7 +81,7 @@ class AnisoConfig:
     head: str = "keep"
     ignore_index: int = -100
 
-    # --- AGG (methods.md §1) -------------------------------------------------------------
+    # --- AGG (docs/methods.md §1) -------------------------------------------------------------
     alpha: float = 0.03
     """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""
     window: int | None = None
@@ -97,7 +97,7 @@ class AnisoConfig:
     agg_freeze_rare: bool = False
     """Ablation: the paper's Freeze experiment, rare rows get no output-side gradient at all."""
     agg_parts: StrList = _default("b", "c")
-    """Gradient parts of a rare row to gate (methods.md §0): (a) own contexts, (b) non-rare
+    """Gradient parts of a rare row to gate (docs/methods.md §0): (a) own contexts, (b) non-rare
     targets, (c) other rare targets. Default ("b", "c") is the official AGG."""
     agg_fused: bool = False
     """Run AGG as the fused chunked AGG cross-entropy (no full logits) instead of the gated head:
@@ -106,7 +106,7 @@ class AnisoConfig:
     agg_chunk_size: int = 1024
     """Token rows per chunk of the fused AGG cross-entropy."""
 
-    # --- Regularizers (methods.md §3-4) ---------------------------------------------------
+    # --- Regularizers (docs/methods.md §3-4) ---------------------------------------------------
     reg_weight: float = 1.0
     """γ of CosReg, λ of the hinge, λ of spectrum control."""
     reg_every_microbatch: bool = False
@@ -133,7 +133,7 @@ class AnisoConfig:
     lowrank_init: str = "svd"
     """"svd" (truncated SVD of the current head) or "random"."""
 
-    # --- Metrics (methods.md §2, §7-9) ----------------------------------------------------
+    # --- Metrics (docs/methods.md §2, §7-9) ----------------------------------------------------
     metrics: StrList = _default("geometry")
     """Metric plugins to run, any of METRICS."""
     metrics_every: int | None = None

@@ -1,4 +1,4 @@
-"""AGG's token counter memory: target counts over the last K optimizer steps (methods.md §1.1).
+"""AGG's token counter memory: target counts over the last K optimizer steps (docs/methods.md §1.1).
 
 The official code (``ysw1021/AGG``, ``fairseq/criterions/cross_entropy_agg.py``) keeps a dense
 (K+1)×V float ring buffer ``M``; on every micro-batch of step t (1-based) it zeroes row
@@ -104,7 +104,7 @@ class SlidingTokenCounter:
         """a, float32 (V,): a_k = c_k / min(t, K), and 1 for `always_frequent` ids.
 
         Same float32 arithmetic as the official ``word_count.sum(0) / min(itr, K)``
-        (methods.md §1.1; exact for counts below 2**24)."""
+        (docs/methods.md §1.1; exact for counts below 2**24)."""
         a = self._total.to(torch.float32) / self.steps_in_window
         if self._always.numel():
             a[self._always] = 1.0

@@ -24,7 +24,7 @@ def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float]
     no counts yet the split is by id). The first ⌊f_frequent·V + ½⌋ of that order are frequent,
     the last ⌊f_rare·V + ½⌋ rare, the rest medium: `fractions` = (rare, medium, frequent)
     shares, default 20% / 50% / 30% of the vocabulary as in the AGG paper §3. (The official AGG
-    evaluation code uses fixed id boundaries of its sorted dictionary instead, methods.md §1.8.)"""
+    evaluation code uses fixed id boundaries of its sorted dictionary instead, docs/methods.md §1.8.)"""
     if counts.dim() != 1:
         raise ValueError(f"counts must be 1-D (V,), got shape {tuple(counts.shape)}")
     if len(fractions) != 3 or any(not 0 < f < 1 for f in fractions) or abs(sum(fractions) - 1) > 1e-6:

@@ -1,13 +1,13 @@
 """Fused, chunked linear + cross-entropy with AGG gating: never the full N×V logits.
 
-The approach of Liger-Kernel's fused linear cross-entropy (performance.md §1.1): the forward
+The approach of Liger-Kernel's fused linear cross-entropy (docs/performance.md §1.1): the forward
 walks over chunks of token rows, computes a chunk of logits, its loss and its logit gradient
 G_c = (softmax − onehot)/normalizer, projects it at once (dX_c = G_c W, dW += G_cᵀ X_c) and
 keeps only dX, dW, db for the backward, which scales them by the incoming scalar gradient.
 AGG's Γ (`aniso_plugins.agg`) costs no N×V pass: rows are ordered so that the larger row group
 (non-rare or rare targets) comes first; its chunks accumulate unscaled, then dW is scaled once
 by that group's gate vector, the smaller group's chunks are multiplied in place by theirs, and
-target entries are corrected at the end with one index_add (performance.md §3.2, §6.1).
+target entries are corrected at the end with one index_add (docs/performance.md §3.2, §6.1).
 Ignored rows (``ignore_index``) are skipped: they have no loss and no gradient.
 """
 
@@ -122,7 +122,7 @@ def agg_cross_entropy(
     D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
     and 0 gradients when there is none) or `normalizer` (``reduction="sum"``; 1 if None; pass
     torchtitan's ``global_valid_tokens`` here). Gradients: plain CE for `hidden` and `bias`;
-    for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (methods.md §1.5),
+    for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (docs/methods.md §1.5),
     or the plain one when `gates` is None (then this is an ordinary fused linear CE).
 
     Peak extra memory: about two logit chunks (chunk_size × V, float32) plus dW (V × d, in at

@@ -1,6 +1,6 @@
 """Geometry of an embedding matrix W (V×d, rows w_i): mean pairwise cosine, the singular
 spectrum (effective rank, spectral saturation, principal-variance share, W-error) and the
-partition-function isotropy I(W); exact under DDP and FSDP2 (methods.md §2, §8).
+partition-function isotropy I(W); exact under DDP and FSDP2 (docs/methods.md §2, §8).
 
 Every metric is built in three steps so that plugins can batch all of them into the core's
 single reduction (`AnisoPlugins.measure`):
@@ -82,7 +82,7 @@ def mean_stats(rows: torch.Tensor, prefix: str = "") -> dict[str, Stat]:
 
 def moment_stats(rows: torch.Tensor, prefix: str = "") -> dict[str, Stat]:
     """Σ_i w_i w_iᵀ (d×d), Σ_i w_i and the row count (sums; keys ``gram``, ``sum``, ``count``):
-    everything the spectrum, centering and the I(W) eigenvectors need (performance.md §5.2)."""
+    everything the spectrum, centering and the I(W) eigenvectors need (docs/performance.md §5.2)."""
     m = gram_stats_blocked(rows, BLOCK_ROWS)
     return {f"{prefix}gram": Stat(m.gram), f"{prefix}sum": Stat(m.row_sum), f"{prefix}count": Stat(m.count)}
 
@@ -115,7 +115,7 @@ def mean_cosine_stats(rows: torch.Tensor, prefix: str = "", mean: torch.Tensor |
 
 def mean_cosine_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
     """Mean of cos(x_i, x_j) over ordered pairs i ≠ j of nonzero rows,
-    (‖s‖² − n)/(n(n − 1)) (methods.md §8; Gao et al. 2019; A(H) of Godey et al. 2024).
+    (‖s‖² − n)/(n(n − 1)) (docs/methods.md §8; Gao et al. 2019; A(H) of Godey et al. 2024).
     NaN when fewer than two rows are nonzero."""
     s, n = reduced[f"{prefix}unit_sum"], float(reduced[f"{prefix}nonzero"])
     if n < 2:
@@ -183,14 +183,14 @@ class Spectrum:
         return float(-(p * p.log()).sum())
 
     def effective_rank(self, variant: Variant = "sigma") -> float:
-        """erank = exp H(p) (methods.md §8; seed 000 uses p_i = σ_i/Σσ, "sigma")."""
+        """erank = exp H(p) (docs/methods.md §8; seed 000 uses p_i = σ_i/Σσ, "sigma")."""
         return math.exp(self.entropy(variant))
 
     def singular_entropy(self, variant: Variant = "sigma") -> float:
         """Spectral saturation of Godey, de la Clergerie & Sagot 2024: KL(p ‖ U_k) = ln k − H(p),
         the divergence of the normalised singular-value distribution from the uniform one
         (0 = flat spectrum). The paper does not say whether σ or σ² is normalised; the default
-        "sigma" makes it ln k − ln erank_sigma (methods.md §8)."""
+        "sigma" makes it ln k − ln erank_sigma (docs/methods.md §8)."""
         return math.log(self.size) - self.entropy(variant)
 
     def normalized(self) -> torch.Tensor:
@@ -208,7 +208,7 @@ class Spectrum:
 
     def w_error(self, rank: int) -> float:
         """‖σ_{r+1:}‖₂ / ‖W‖_F: relative Frobenius error of the best rank-r approximation
-        (Eckart–Young), the W-error of Godey et al. 2024 (methods.md §8)."""
+        (Eckart–Young), the W-error of Godey et al. 2024 (docs/methods.md §8)."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank={rank!r}: expected an integer >= 0")
         lam = self.eigenvalues
@@ -228,7 +228,7 @@ def isotropy_stats(
 ) -> dict[str, Stat]:
     """log Z_r(a) = log Σ_{i on this rank} exp(⟨w_i − μ, a⟩) for every column a of
     `directions` (μ = `mean`, or 0), float64; key ``log_z``, op "lse", so the reduction gives
-    log Z(a) over all V rows (performance.md §5.3)."""
+    log Z(a) over all V rows (docs/performance.md §5.3)."""
     directions = directions.to(torch.float64)
     log_z = torch.full((directions.shape[1],), -math.inf, dtype=torch.float64, device=rows.device)
     for x in _blocks(rows):
@@ -262,7 +262,7 @@ def mean_cosine(weight: torch.Tensor, center: bool = False) -> float:
 
         mean_{i≠j} cos(x_i, x_j) = (‖Σ_i u_i‖² − n) / (n(n − 1)),   u_i = x_i / ‖x_i‖,
 
-    exact in O(Vd) (methods.md §8, performance.md §5.5; Gao et al. 2019's regulariser without
+    exact in O(Vd) (docs/methods.md §8, docs/performance.md §5.5; Gao et al. 2019's regulariser without
     its 1/N² normaliser). x_i = w_i (default) or w_i − μ with μ the mean row (``center=True``).
     Rows with ‖x_i‖ = 0 are excluded and n counts the others; NaN when n < 2."""
     rows = matrix_rows(weight)
@@ -275,7 +275,7 @@ def effective_rank(weight: torch.Tensor, center: bool = True, variant: Variant =
 
     variant "sigma": p_i = σ_i/Σ_j σ_j (Roy & Vetterli 2007; RankMe; the definition of seed 000);
     "sigma2": p_i = σ_i²/Σ_j σ_j² (covariance eigenvalues, "matrix entropy"). The two disagree
-    (63.1 vs 58.2 on one matrix, methods.md §8): always name the variant. σ from the d×d Gram."""
+    (63.1 vs 58.2 on one matrix, docs/methods.md §8): always name the variant. σ from the d×d Gram."""
     _check_variant(variant)
     return spectrum(weight, center).effective_rank(variant)
 
@@ -314,7 +314,7 @@ def isotropy(weight: torch.Tensor, center: bool = False, both_signs: bool = Fals
     E the unit eigenvectors of WᵀW. Computed in log space, float64: log Z(a) is a distributed
     log-sum-exp, I(W) = exp(min log Z − max log Z). ``center=False`` (default) is the
     paper-comparable raw matrix; ``center=True`` uses w_i − μ and the eigenvectors of the
-    centered Gram (methods.md §2: Pythia-70m 0.083 raw vs 0.972 centered).
+    centered Gram (docs/methods.md §2: Pythia-70m 0.083 raw vs 0.972 centered).
 
     Eigenvector signs are arbitrary and Z(a) ≠ Z(−a): each eigenvector is taken with its
     largest-magnitude entry positive (`aniso_plugins.linalg.eigh_gram`); ``both_signs=True``

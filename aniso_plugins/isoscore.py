@@ -1,4 +1,4 @@
-"""IsoScore (Rudman, Gillman, Rayne & Eickhoff, Findings of ACL 2022), methods.md §5.
+"""IsoScore (Rudman, Gillman, Rayne & Eickhoff, Findings of ACL 2022), docs/methods.md §5.
 
 Points are the rows of an (m, n) matrix: m points in n dimensions (the orientation of the
 PyPI ``IsoScore`` 2.0.1 package; the GitHub numpy version takes the transpose). The score

@@ -1,5 +1,5 @@
 """Spectra through the d×d Gram matrix: the one home of the Gram machinery that the geometry
-metrics and spectrum control share (performance.md §5.1-5.3).
+metrics and spectrum control share (docs/performance.md §5.1-5.3).
 
 σ_i(W) = sqrt(λ_i(WᵀW)); for a row-sharded W, WᵀW = Σ_r W_rᵀW_r, so every rank computes the
 Gram of its `local_rows` and one SUM reduction gives the full Gram. Centering uses
@@ -72,7 +72,7 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Resolution: eigenvalues at or below d·ε·λ_max (ε of float64; the threshold that
     ``numpy.linalg.matrix_rank`` applies to a d×d matrix) are round-off of the Gram and are set
-    to 0, so σ below √(d·ε)·σ_max ≈ 4e-7·σ_max (d = 768) reads as 0 (performance.md §5.1).
+    to 0, so σ below √(d·ε)·σ_max ≈ 4e-7·σ_max (d = 768) reads as 0 (docs/performance.md §5.1).
     Sign convention: each eigenvector is flipped so that its entry of largest magnitude is
     positive (the first such entry on ties; scikit-learn's ``svd_flip`` rule), which makes the
     result independent of the solver's arbitrary signs."""

@@ -26,7 +26,7 @@ def _check_rank(rank: object, hidden: int) -> int:
 
 
 class LowRankHead(nn.Module):
-    """Output projection with a rank-r weight, W = A·B (seed 001 §3.1, methods.md §10):
+    """Output projection with a rank-r weight, W = A·B (seed 001 §3.1, docs/methods.md §10):
     A ∈ R^{V×r}, B ∈ R^{r×d}, r < d, both trainable parameters (``A``, ``B``, and ``bias``
     when the replaced head had one).
 

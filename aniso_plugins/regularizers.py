@@ -4,10 +4,10 @@ Each function returns the *unweighted* penalty R(W) as a differentiable 0-d floa
 its weight (γ of CosReg, λ of the hinge and of spectrum control) is ``config.reg_weight``,
 applied in one place, `aniso_plugins.default_plugins.regularizers.RegularizerPlugin`.
 
-- `cosreg`: Gao et al. 2019 (ICLR), methods.md §3, exact in O(Vd).
-- `cosine_hinge`: pairwise cosine hinge of seed 000, methods.md §3.1, exact blockwise in
+- `cosreg`: Gao et al. 2019 (ICLR), docs/methods.md §3, exact in O(Vd).
+- `cosine_hinge`: pairwise cosine hinge of seed 000, docs/methods.md §3.1, exact blockwise in
   O(V²d) time and O(block·V) extra memory, or sampled (unbiased) in O(sample·V·d).
-- `spectrum_penalty`: Wang et al. 2020 (ICLR) singular-value priors, methods.md §4, and the
+- `spectrum_penalty`: Wang et al. 2020 (ICLR) singular-value priors, docs/methods.md §4, and the
   σ1/σd ratio of seed 000, through the d×d Gram matrix (`aniso_plugins.linalg`).
 
 Where the rows live (every function, same rule):
@@ -110,7 +110,7 @@ def _valid_count(valid: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
 
 
 def cosreg(weight: torch.Tensor, exclude_ids: Sequence[int] = ()) -> torch.Tensor:
-    """CosReg, Gao et al. 2019 (ICLR, §5), methods.md §3:
+    """CosReg, Gao et al. 2019 (ICLR, §5), docs/methods.md §3:
 
         R = 1/N² · Σ_i Σ_{j≠i} ŵ_iᵀŵ_j = (‖Σ_i ŵ_i‖² − N) / N²,   ŵ_i = w_i / ‖w_i‖,
 
@@ -243,7 +243,7 @@ def cosine_hinge(
     generator: torch.Generator | None = None,
     exclude_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """Pairwise cosine hinge of seed 000 ("cosine spectrum control"), methods.md §3.1:
+    """Pairwise cosine hinge of seed 000 ("cosine spectrum control"), docs/methods.md §3.1:
 
         R = 1/N² · Σ_i Σ_{j≠i} max(0, cos(w_i, w_j) − γ),   γ = `margin`.
 
@@ -254,7 +254,7 @@ def cosine_hinge(
 
     Exact mode (``sample=None``): blocks of `block` columns, extra memory O(block·V) (never V×V),
     time 4V²d flops for value and gradient. The gradient is computed in the forward by a custom
-    autograd Function (performance.md §5.4): ∂R/∂û_i = 2/N² Σ_j 1[cos_ij > γ] û_j, then autograd
+    autograd Function (docs/performance.md §5.4): ∂R/∂û_i = 2/N² Σ_j 1[cos_ij > γ] û_j, then autograd
     through the normalization, ∂/∂w_i = (I − û_iû_iᵀ)/‖w_i‖ · ∂/∂û_i. Sharded weights all-gather
     `block` rows per rank and round.
 
@@ -290,7 +290,7 @@ def cosine_hinge(
 def weight_singular_values(weight: torch.Tensor) -> torch.Tensor:
     """Singular values σ_1 ≥ … ≥ σ_d of W (V×d), float64, differentiable, from the d×d Gram
     WᵀW = Σ_shards W_rᵀW_r (`aniso_plugins.linalg.gram_stats` / `singular_values`,
-    performance.md §5.1-5.2). The gradient is finite only where σ_k > 0 (V ≥ d, full rank)."""
+    docs/performance.md §5.1-5.2). The gradient is finite only where σ_k > 0 (V ≥ d, full rank)."""
     parts = _split(weight, "weight_singular_values")
     with _no_autocast(parts.rows):
         gram = _global_sum(gram_stats(parts.rows).gram, parts.group)
@@ -304,7 +304,7 @@ def spectrum_penalty(
     c2: float = 0.01,
     gamma: float = 0.75,
 ) -> torch.Tensor:
-    """Spectrum control, Wang et al. 2020 (ICLR, §4), methods.md §4, on σ = singular values of
+    """Spectrum control, Wang et al. 2020 (ICLR, §4), docs/methods.md §4, on σ = singular values of
     W sorted descending and paired with k = 1..d:
 
         "poly":  R = Σ_k (σ_k − c1·k^−γ)²

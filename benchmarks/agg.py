@@ -5,7 +5,7 @@
     python benchmarks/agg.py --tokens 512 --dim 64 --vocab 4096 --rounds 1 --counter-steps 30 \
         --window 10 --counter-tokens 1000                                 # smoke run
 
-Method (performance.md §4, §6.2; the machine is shared and loaded, so absolute seconds vary 2-4×):
+Method (docs/performance.md §4, §6.2; the machine is shared and loaded, so absolute seconds vary 2-4×):
 - memory: each variant in a fresh subprocess; peak resident set size during its first step
   (``ru_maxrss`` after it) minus the resident set size just before it (``/proc/self/statm``), so
   inputs, weights and imports are excluded and the weight gradient, logits and temporaries are

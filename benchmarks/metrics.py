@@ -1,5 +1,5 @@
 """Cost of the metrics on CPU, as ratios to a plain LM-head forward+backward measured in the
-same process (performance.md §6.2: min over --reps timed rounds after one warm-up round,
+same process (docs/performance.md §6.2: min over --reps timed rounds after one warm-up round,
 cases interleaved within each round). Wall time and CPU time (all threads of this process) are
 both reported: on a shared machine the CPU-time ratios are the steadier.
 

@@ -2,7 +2,7 @@
 
 Baseline: F.linear(h, W) + F.cross_entropy over N tokens, forward and backward (gradients of
 h and W), fp32 on CPU, measured in the same process. Each regularizer R(W) is timed as
-``R(W).backward()``. Minimum over interleaved rounds after one warm-up (performance.md §6.2).
+``R(W).backward()``. Minimum over interleaved rounds after one warm-up (docs/performance.md §6.2).
 Both wall time and the process's CPU time are reported: on a shared machine the CPU-time
 ratio is the steadier one. The exact hinge costs 4V²d flops (about a minute at V = 50304 on two threads): it is timed once
 at a smaller vocabulary (--hinge-vocab) and extrapolated by (V / V_small)², which the table says.

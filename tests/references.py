@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 def agg_output_grad(h, W, targets, appearance, alpha, gated):
     """Reference: gradient into W of the z1/z2 logits of the AGG three-logit construction
-    (methods.md §1.3-1.4), float64; gated=False gives the plain (MLE) output-side gradient."""
+    (docs/methods.md §1.3-1.4), float64; gated=False gives the plain (MLE) output-side gradient."""
     valid = targets != -100
     h, y = h[valid].double(), targets[valid]
     Wp = W.detach().double().clone().requires_grad_(True)

@@ -1,7 +1,7 @@
 """AGG gates, agg_linear, the fused AGG cross-entropy and the AGG plugin, against references
 written out here: the official three-logit construction (``cross_entropy_agg.py``,
-methods.md §1.4), the gate formulas in float64, the per-part gradient decomposition of
-methods.md §0, plain cross-entropy, and an explicit dense counter."""
+docs/methods.md §1.4), the gate formulas in float64, the per-part gradient decomposition of
+docs/methods.md §0, plain cross-entropy, and an explicit dense counter."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ IGN = -100
 
 
 def ref_gates(a: torch.Tensor, alpha: float, steps: int = 1):
-    """Gate formulas of methods.md §1.2-1.3 in float64 loops, with the official count-space guard."""
+    """Gate formulas of docs/methods.md §1.2-1.3 in float64 loops, with the official count-space guard."""
     a64 = [float(x) for x in a.to(torch.float32)]
     rare = [x < float(torch.tensor(alpha, dtype=torch.float32)) for x in a64]  # the code compares in float32
     counts = [x * steps for x in a64]
@@ -184,7 +184,7 @@ def test_agg_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
 
 
 def test_label_smoothing_matches_the_official_mt_loss():
-    """MT (methods.md §1.4): each of the three terms is (1-ε)·NLL + ε/V·Σ_k(-log p_k) on its own
+    """MT (docs/methods.md §1.4): each of the three terms is (1-ε)·NLL + ε/V·Σ_k(-log p_k) on its own
     logits; agg_linear + smoothed CE has the same gradients."""
     h, W, _, y, a = make_case(dtype=torch.float64)
     gates = agg_gates(a, 0.3)
@@ -272,7 +272,7 @@ def test_ablations_gate_exactly_their_parts(ablation):
 
 
 def test_gate_zero_on_a_rare_row_with_non_rare_targets():
-    """methods.md §11: gate 0 on rare id r, all targets non-rare => dW_r = 0; target rows keep (p-1)h."""
+    """docs/methods.md §11: gate 0 on rare id r, all targets non-rare => dW_r = 0; target rows keep (p-1)h."""
     h, W, _, y, a = make_case(n=30, dtype=torch.float64, rare_share=0.0, seed=4)
     a[2] = 0.0
     gates = agg_gates(a, 0.3)

@@ -1,4 +1,4 @@
-"""SlidingTokenCounter against the official dense (K+1)×V ring buffer (methods.md §1.1), written out
+"""SlidingTokenCounter against the official dense (K+1)×V ring buffer (docs/methods.md §1.1), written out
 here as the official criterion does it, on random streams with gradient accumulation,
 ignored positions and many wrap-arounds; state round trips; memory; bad inputs."""
 
@@ -68,7 +68,7 @@ def test_equals_dense_ring_buffer(vocab, window, specials, skew, steps):
 
 
 def test_counts_of_last_k_steps_brute_force():
-    """After K + 5 steps the counts are the brute-force counts of the last K steps (methods.md §11)."""
+    """After K + 5 steps the counts are the brute-force counts of the last K steps (docs/methods.md §11)."""
     vocab, window = 11, 4
     counter = SlidingTokenCounter(vocab, window)
     history = []

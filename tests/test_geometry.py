@@ -99,7 +99,7 @@ def ref_isotropy(x, center=False, both_signs=False) -> float:
 
 
 def ref_isoscore(points: np.ndarray) -> float:
-    """IsoScore, the five steps of Rudman et al. 2022 (methods.md §5), points as rows."""
+    """IsoScore, the five steps of Rudman et al. 2022 (docs/methods.md §5), points as rows."""
     x = np.asarray(points, dtype=np.float64)
     n = x.shape[1]
     centered = x - x.mean(0)
@@ -207,7 +207,7 @@ def test_isotropy_sign_convention_and_orderings():
     w = make_matrix("anisotropic")
     one_sign, both = isotropy(w), isotropy(w, both_signs=True)
     assert 0 < both <= one_sign <= 1
-    # centering removes the shared offset: much more isotropic (methods.md §2)
+    # centering removes the shared offset: much more isotropic (docs/methods.md §2)
     assert isotropy(w, center=True) > 5 * one_sign
     # a small isotropic cloud: Z(a) ≈ V for every a, I ≈ 1
     small = 0.01 * torch.randn(4000, 8, dtype=torch.float64)

@@ -75,7 +75,7 @@ def test_cosreg_value_and_gradient_match_dense_formula(exclude):
     assert got_grad[5].abs().max() == 0 and torch.isfinite(got_grad).all()  # zero row: no gradient, no NaN
     for i in exclude:
         assert got_grad[i].abs().max() == 0
-    # the closed-form gradient of methods.md §3 on one row
+    # the closed-form gradient of docs/methods.md §3 on one row
     n = V - 1 - len(exclude)
     valid = [i for i in range(V) if i != 5 and i not in exclude]
     u = w[valid] / w[valid].norm(dim=1, keepdim=True)

@@ -425,7 +425,7 @@ def test_validation_feeds_eval_metrics_and_neither_counts_nor_regularizes(runs):
 
 # --- regularizer -------------------------------------------------------------------------------------
 def _cosreg_grad(W: torch.Tensor) -> torch.Tensor:
-    """∇ of CosReg (Gao et al. 2019, methods.md §3): (‖Σ_i w_i/‖w_i‖‖² − N)/N², float64."""
+    """∇ of CosReg (Gao et al. 2019, docs/methods.md §3): (‖Σ_i w_i/‖w_i‖‖² − N)/N², float64."""
     W = W.double().requires_grad_(True)
     n = W.shape[0]
     total = (W / W.norm(dim=1, keepdim=True)).sum(0)

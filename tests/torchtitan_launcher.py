@@ -3,7 +3,7 @@
     python tests/torchtitan_launcher.py --module M --config F [flags]               # 1 process
     torchrun --nproc_per_node 2 tests/torchtitan_launcher.py --module M --config F  # 2 ranks
 
-torchtitan 0.3.0 has no CPU path (shared/docs/torchtitan.md §6); before ``torchtitan.train.main``
+torchtitan 0.3.0 has no CPU path; before ``torchtitan.train.main``
 this launcher applies the three patches that make it run:
 
 1. device: ``device_type = "cpu"`` and a small stand-in for ``torch.cuda`` in the modules that

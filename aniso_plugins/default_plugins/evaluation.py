@@ -1,5 +1,5 @@
 """Evaluation metrics per frequency group: perplexity and Uniq (AGG paper, Yu et al. 2022, §4;
-Uniq of Welleck et al. 2020; methods.md §1.8, §6).
+Uniq of Welleck et al. 2020; docs/methods.md §1.8, §6).
 
 Over the positions of the evaluation batches whose target is not ``config.ignore_index``:
 

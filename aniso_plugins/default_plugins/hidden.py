@@ -1,5 +1,5 @@
 """Hidden-state anisotropy per layer (Ethayarajh 2019's anisotropy baseline; A(H) of Godey et
-al. 2024), methods.md §7-§8.
+al. 2024), docs/methods.md §7-§8.
 
 Forward hooks on the transformer blocks (``ModelHandle.blocks()``) sample token
 representations on the first micro-batch of each measurement step (the micro-batch whose
