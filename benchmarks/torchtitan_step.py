@@ -11,7 +11,7 @@ per step, logged every step), median over the steps after the first two, minimum
 over rounds. Variants (``--aniso.metrics`` empty: methods only):
 
 - none: ``--aniso.method none``, the stock torchtitan computation (tests/test_torchtitan.py);
-- agg: AGG as the fused chunked cross-entropy in `AnisoHead` (torchtitan's default here);
+- agg: AGG as the fused chunked cross-entropy that the AGG head (`AGGForward`) returns (the default here);
 - agg_unfused: AGG by the core's gated head on each of torchtitan's 8 logit chunks.
 """
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from aniso_plugins import AnisoConfig, SetupError
+from aniso_plugins import AnisoConfig, SetupError, hookimpl
 from aniso_plugins.integrations.lightning import AnisoCallback
 from lightning_utils import GradCapture, LitLM, loader
 from references import agg_first_step_grad, regularizer_grad
@@ -165,9 +165,47 @@ def test_two_processes(tmp_path, strategy):
         assert r[0]["metrics"][name] == pytest.approx(value, rel=1e-5), name
 
 
+class Observer:
+    """Records what the plugins are told: training targets and logged metrics."""
+
+    name = "observer"
+
+    def __init__(self):
+        self.targets, self.logged = [], []
+
+    @hookimpl
+    def aniso_targets(self, targets, step):
+        self.targets.append(targets.clone())
+
+    @hookimpl
+    def aniso_log(self, metrics, step, kind):
+        self.logged.append((kind, step, dict(metrics)))
+
+
+def test_default_targets_prefer_shift_labels_like_transformers(tmp_path):
+    def with_shift_labels(items):
+        batch = torch.utils.data.default_collate(items)
+        batch["shift_labels"] = torch.full_like(batch["labels"], -100)
+        batch["shift_labels"][:, 0] = 7  # not the causal shift of labels
+        return batch
+
+    observer = Observer()
+    cb = AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False), [observer], **PATHS)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[cb],
+    )
+    data = loader()
+    trainer.fit(LitLM(), torch.utils.data.DataLoader(data.dataset, batch_size=4, collate_fn=with_shift_labels))
+    expected = torch.full((4, 8), -100)
+    expected[:, 0] = 7
+    assert len(observer.targets) == 1 and torch.equal(observer.targets[0], expected)
+
+
 def test_validation_reports_group_perplexity_and_uniq(tmp_path):
     cfg = AnisoConfig(metrics=("eval",), load_entry_points=False)
-    cb = AnisoCallback(cfg, **PATHS)
+    observer = Observer()
+    cb = AnisoCallback(cfg, [observer], **PATHS)
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[cb], num_sanity_val_steps=2, val_check_interval=3,
@@ -182,3 +220,6 @@ def test_validation_reports_group_perplexity_and_uniq(tmp_path):
     with torch.no_grad():
         predicted = module.model(ids)[:, :-1].argmax(-1)
     assert metrics["val_aniso/eval/uniq"] == len(set(predicted.flatten().tolist()))
+    # the plugins' aniso_log sees the validation metrics too, under the names Lightning logged
+    (kind, step, logged), = [entry for entry in observer.logged if entry[0] == "eval"]
+    assert step == 3 and logged["val_aniso/eval/ppl"] == pytest.approx(metrics["val_aniso/eval/ppl"], rel=1e-6)
