@@ -110,7 +110,7 @@ class AnisoCallback(pl.Callback):
         last = batch_idx - window_start == window - 1
         step = trainer.global_step + 1
         self.session.begin_micro_batch(
-            self._targets(batch), step=step, accumulation_steps=window, measure=last and self._due(trainer, step)
+            self._targets(batch), step=step, accumulation_steps=window, measure=self._due(trainer, step)
         )
         self._stepped_at = step if last else None
 
