@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from .agg import AGGGates, agg_linear
+from .errors import SetupError
 from .fused_ce import agg_cross_entropy
 from .linalg import ROW_BLOCK
+from .lowrank import LowRankHead
 from .steps import TargetChunks
 
 logger = logging.getLogger("aniso_plugins")
@@ -39,8 +41,7 @@ class AGGForward:
     """
 
     def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int = ROW_BLOCK) -> None:
-        if isinstance(getattr(module.forward, "__self__", None), AGGForward):
-            raise ValueError(f"AGGForward: {type(module).__name__} already has an AGG forward installed")
+        check_linear_head(module)
         self.module = module
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
@@ -119,4 +120,34 @@ class AGGForward:
         )
 
 
-__all__ = ["AGGForward"]
+LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)
+"""Forwards known to compute exactly ``F.linear(x, module.weight, module.bias)`` (up to rounding)."""
+
+
+def check_linear_head(module: nn.Module) -> None:
+    """Raise `SetupError` unless `module`'s forward is exactly a linear map of its ``weight``
+    (and ``bias``): the AGG head replaces that forward by ``agg_linear(x, weight, ...)``, so
+    anything else it computes (a logit scale, a soft-cap, a norm) would silently be lost."""
+    name = type(module).__qualname__
+    installed = getattr(module.forward, "__self__", None)
+    if isinstance(installed, AGGForward):
+        raise SetupError(
+            f"the LM head {name} already has an AGG forward installed, by a session that was not detached "
+            "(e.g. a notebook cell run twice): call .detach() on the callback (or session) that installed it, "
+            "then attach again"
+        )
+    if "forward" in module.__dict__:
+        raise SetupError(
+            f"the LM head {name} has a forward of its own set on the instance ({module.forward!r}); AGG would "
+            "replace it. Remove that patch, or train without AGG"
+        )
+    if type(module).forward not in LINEAR_FORWARDS:
+        raise SetupError(
+            f"AGG needs an LM head whose forward is exactly F.linear(x, weight, bias); {name}.forward is code of "
+            "its own (e.g. a logit scale or soft-cap), which the gated forward would bypass and silently change "
+            "the logits. Use an nn.Linear head and apply the extra computation after it in the model's forward, "
+            "or train without AGG"
+        )
+
+
+__all__ = ["AGGForward", "LINEAR_FORWARDS", "check_linear_head"]

@@ -31,6 +31,7 @@ HEADS: tuple[str, ...] = tuple(registry.HEADS)
 METRICS: tuple[str, ...] = tuple(registry.METRICS)
 AGG_PARTS = ("a", "b", "c")
 SPECTRUM_PRIORS = ("poly", "exp", "ratio")
+STATE_MISMATCH = ("error", "reset")
 
 
 # Sequence fields are annotated ``list[X]``: transformers' HfArgumentParser turns only list
@@ -145,9 +146,14 @@ class AnisoConfig:
     bottleneck_every: int | None = None
     """Optimizer steps between gradient-bottleneck probes; None: metrics_every."""
 
-    # --- Plugins ----------------------------------------------------------------------------
+    # --- Plugins and state ------------------------------------------------------------------
     load_entry_points: bool = True
     """Load third-party plugins from the ``aniso_plugins`` entry-point group."""
+    on_state_mismatch: str = "error"
+    """What a resume does with saved plugin state that cannot be used (unreadable file, another
+    configuration, a token-counter window that cannot be re-cut exactly): "error" raises a
+    `StateError` naming the file and the difference; "reset" warns and starts the plugins'
+    state (AGG's counters, target counts) fresh."""
 
     def __post_init__(self) -> None:
         for name, kind in _SEQUENCES.items():  # frozen: normalize through object.__setattr__
@@ -156,6 +162,7 @@ class AnisoConfig:
         _choice("head", self.head, HEADS)
         _choice("spectrum_prior", self.spectrum_prior, SPECTRUM_PRIORS)
         _choice("lowrank_init", self.lowrank_init, ("svd", "random"))
+        _choice("on_state_mismatch", self.on_state_mismatch, STATE_MISMATCH)
         for m in self.metrics:
             _choice("metrics", m, METRICS)
         for p in self.agg_parts:

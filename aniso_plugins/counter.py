@@ -195,31 +195,56 @@ class SlidingTokenCounter:
         }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Restore `state_dict()` output; V and K must match this counter's."""
+        """Restore `state_dict()` output; V must match this counter's.
+
+        A state saved with another window K' (the epoch length changed with the batch size,
+        the number of ranks or the accumulation) is re-cut to this counter's K exactly when it
+        can be: the state holds the last min(t − 1, K' − 1) completed steps one by one, so the
+        last K − 1 of them are available when K ≤ K', or when every step since the start is
+        stored (t ≤ K'). Otherwise it raises `ValueError` (the counts of the missing steps were
+        dropped when they left the old window). The state is checked completely before this
+        counter changes."""
         keys = {"step", "vocab_size", "window", "sizes", "ids", "counts", "current_ids", "current_counts"}
         missing = keys - set(state)
         if missing:
-            raise ValueError(f"SlidingTokenCounter.load_state_dict: missing keys {sorted(missing)}")
-        v, k = int(state["vocab_size"][0]), int(state["window"][0])
-        if (v, k) != (self.vocab_size, self.window):
-            raise ValueError(
-                f"SlidingTokenCounter.load_state_dict: saved vocab_size={v}, window={k}; "
-                f"this counter has vocab_size={self.vocab_size}, window={self.window}"
-            )
+            raise ValueError(f"missing keys {sorted(missing)}")
+        v, saved_window, t = int(state["vocab_size"][0]), int(state["window"][0]), int(state["step"][0])
+        if v != self.vocab_size:
+            raise ValueError(f"saved vocab_size={v}, this counter has vocab_size={self.vocab_size}")
         ids, counts = state["ids"].to(torch.int64), state["counts"].to(torch.int64)
-        sizes = [int(s) for s in state["sizes"]]
-        if sum(sizes) != ids.numel() or len(sizes) > k - 1:
+        cur_ids, cur_counts = state["current_ids"].to(torch.int64), state["current_counts"].to(torch.int64)
+        sizes = [int(x) for x in state["sizes"]]
+        if (
+            t < 1
+            or any(x < 0 for x in sizes)
+            or sum(sizes) != ids.numel()
+            or ids.shape != counts.shape
+            or cur_ids.shape != cur_counts.shape
+            or len(sizes) > min(t - 1, saved_window - 1)
+        ):
             raise ValueError(
-                f"SlidingTokenCounter.load_state_dict: inconsistent sizes {sizes} for {ids.numel()} ids, window {k}"
+                f"inconsistent state: step {t}, window {saved_window}, step sizes {sizes} for {ids.numel()} ids "
+                f"and {counts.numel()} counts"
             )
-        self._t = int(state["step"][0])
+        for name, x in (("ids", ids), ("current_ids", cur_ids)):
+            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= v):
+                raise ValueError(f"{name} outside [0, {v})")
+        steps = list(zip(ids.split(sizes), counts.split(sizes)))
+        if saved_window != self.window:
+            keep = self.window - 1
+            if len(steps) < keep and len(steps) != t - 1:
+                raise ValueError(
+                    f"saved window={saved_window} holds the last {len(steps)} completed steps; window={self.window} "
+                    f"needs {keep}: the counts of the older steps are gone, so the window cannot be re-cut exactly"
+                )
+            steps = steps[max(len(steps) - keep, 0) :] if keep else []
+        self._t = t
         self._total = torch.zeros(self.vocab_size, dtype=torch.int64)
         self._ring = deque()
-        for step_ids, step_counts in zip(ids.split(sizes), counts.split(sizes)):
+        for step_ids, step_counts in steps:
             self._total.index_add_(0, step_ids, step_counts)
             self._ring.append(_compact(step_ids, step_counts, v))
         self._current = []
-        cur_ids, cur_counts = state["current_ids"].to(torch.int64), state["current_counts"].to(torch.int64)
         if cur_ids.numel():
             self._total.index_add_(0, cur_ids, cur_counts)
             self._current.append(_compact(cur_ids, cur_counts, v))

@@ -75,8 +75,16 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     to 0, so σ below √(d·ε)·σ_max ≈ 4e-7·σ_max (d = 768) reads as 0 (docs/performance.md §5.1).
     Sign convention: each eigenvector is flipped so that its entry of largest magnitude is
     positive (the first such entry on ties; scikit-learn's ``svd_flip`` rule), which makes the
-    result independent of the solver's arbitrary signs."""
-    lam, vec = torch.linalg.eigh(gram.to(torch.float64))
+    result independent of the solver's arbitrary signs.
+
+    A Gram with non-finite entries (NaN / inf weights) has no decomposition: the result is all
+    NaN (eigenvalues and eigenvectors), so every metric computed from it reads NaN instead of the
+    solver raising; the monitoring plugins report how many entries were non-finite."""
+    gram = gram.to(torch.float64)
+    if not bool(torch.isfinite(gram).all()):
+        nan = torch.full_like(gram, float("nan"))
+        return nan[0], nan
+    lam, vec = torch.linalg.eigh(gram)
     lam, vec = lam.flip(0), vec.flip(1)
     lam = torch.where(lam > gram.shape[0] * torch.finfo(torch.float64).eps * lam[:1].clamp_min(0), lam, 0.0)
     pivot = vec.abs().argmax(0)

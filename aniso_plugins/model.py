@@ -1,6 +1,12 @@
 """How plugins reach the parts of a model they act on: the LM head, the input embedding, the
 transformer blocks. Adapters build a `ModelHandle` for their trainer's model; plugins never
-guess attribute names themselves."""
+guess attribute names themselves.
+
+The handle is also the journal of what set-up did to the model: `set_head`, `untie` and every
+change a plugin registers with `on_restore` (a forward installed in place, a hook) are undone,
+newest first, by `restore`. The session calls it when a set-up fails half-way (nothing stays
+half-applied) and on `detach` (the model is again exactly what it was: same modules, same
+Parameters, same tying, same forwards)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ def _get(root: nn.Module, path: str) -> nn.Module:
 def _set(root: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(_get(root, parent) if parent else root, name, module)
+
+
+_MISSING = object()
 
 
 class ModelHandle:
@@ -46,6 +55,7 @@ class ModelHandle:
         self._embedding = input_embedding
         self._blocks = blocks
         self._on_untie = on_untie
+        self._undo: list[Callable[[], None]] = []
         head_module = self.head()
         weight = getattr(head_module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -59,8 +69,29 @@ class ModelHandle:
         return _get(self.model, self._head)
 
     def set_head(self, module: nn.Module) -> None:
-        """Replace the output projection (before the model is wrapped by DDP/FSDP)."""
+        """Replace the output projection (before the model is wrapped by DDP/FSDP); undone by
+        `restore`."""
+        previous = self.head()
+        self._replace_head(module)
+        self.on_restore(lambda: self._replace_head(previous))
+
+    def _replace_head(self, module: nn.Module) -> None:
         _set(self.model, self._head, module)
+
+    # --- the journal ------------------------------------------------------------------------
+    def on_restore(self, undo: Callable[[], None]) -> None:
+        """Record how to undo a change made to the model (e.g. a hook handle's ``remove``)."""
+        self._undo.append(undo)
+
+    @property
+    def modified(self) -> bool:
+        """Whether set-up changed anything that `restore` would undo."""
+        return bool(self._undo)
+
+    def restore(self) -> None:
+        """Undo every recorded change, newest first."""
+        while self._undo:
+            self._undo.pop()()
 
     def input_embedding(self) -> nn.Module | None:
         """The token embedding, or None if the model has none reachable."""
@@ -84,11 +115,14 @@ class ModelHandle:
         return emb is not None and getattr(emb, "weight", None) is self.head().weight
 
     def untie(self) -> None:
-        """Give the head an independent copy of the shared weight (no-op when not tied)."""
+        """Give the head an independent copy of the shared weight (no-op when not tied); undone
+        by `restore` (the head gets the shared Parameter back)."""
         if not self.tied():
             return
         head = self.head()
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+        shared = head.weight
+        head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+        self.on_restore(lambda: setattr(head, "weight", shared))
         if self._on_untie is not None:
             self._on_untie()
 
@@ -111,7 +145,7 @@ class OutputEmbeddingsHandle(ModelHandle):
     def head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
-    def set_head(self, module: nn.Module) -> None:
+    def _replace_head(self, module: nn.Module) -> None:
         self.model.set_output_embeddings(module)
 
     def input_embedding(self) -> nn.Module | None:
@@ -131,11 +165,21 @@ class OutputEmbeddingsHandle(ModelHandle):
         configs = [config]
         if callable(getattr(config, "get_text_config", None)):
             configs.append(config.get_text_config())
+        before = [(cfg, cfg.tie_word_embeddings) for cfg in configs]
         for cfg in configs:
             cfg.tie_word_embeddings = False
+        self.on_restore(lambda: [setattr(cfg, "tie_word_embeddings", value) for cfg, value in before])
         expand = getattr(self.model, "get_expanded_tied_weights_keys", None)
         if callable(expand):  # transformers caches the tie mapping; init_weights() re-ties from it
+            cached = self.model.__dict__.get("all_tied_weights_keys", _MISSING)
             self.model.all_tied_weights_keys = expand(all_submodels=True)
+            self.on_restore(lambda: self._restore_attribute("all_tied_weights_keys", cached))
+
+    def _restore_attribute(self, name: str, value: object) -> None:
+        if value is _MISSING:
+            self.model.__dict__.pop(name, None)
+        else:
+            setattr(self.model, name, value)
 
 
 def find_handle(

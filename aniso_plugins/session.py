@@ -37,7 +37,8 @@ from .config import AnisoConfig, ConfigError
 from .loss import attach_loss
 from .model import ModelHandle, SetupError
 from .plugins import AnisoPlugins
-from .state import check_compatible, load_state
+from .errors import StateError
+from .state import RESET_HINT, check_compatible, load_state
 from .steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
 
 logger = logging.getLogger("aniso_plugins")
@@ -105,7 +106,6 @@ class TrainingSession:
         self._loss_due = False
         self._eval: TargetChunks | None = None
         self._pending_state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
-        self._hook = None
 
     # --- what the adapter asks ----------------------------------------------------------------
     @property
@@ -130,12 +130,34 @@ class TrainingSession:
     # --- set-up -----------------------------------------------------------------------------
     def setup(self, handle: ModelHandle) -> None:
         """Run the plugins' set-up (head surgery, model-dependent checks) and hook the final
-        head's output (loss terms, evaluation batches). Once, before the optimizer is built."""
+        head's output (loss terms, evaluation batches). Once, before the optimizer is built.
+
+        Transactional: if any plugin's set-up raises, everything the others did to the model is
+        undone (`ModelHandle.restore`) before the error propagates."""
         if self.handle is not None:
-            raise SetupError("TrainingSession.setup was already called for this run")
-        self.plugins.setup(handle)
+            raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
+        try:
+            self.plugins.setup(handle)
+            hook = handle.head().register_forward_hook(self._on_head_output)
+            handle.on_restore(hook.remove)
+        except BaseException:
+            handle.restore()
+            raise
         self.handle = handle
-        self._hook = handle.head().register_forward_hook(self._on_head_output)
+
+    def detach(self) -> None:
+        """Undo everything set-up did to the model (installed forwards, hooks, head surgery):
+        afterwards it has the same modules, Parameters, tying and forwards as before `setup`,
+        and a new session (or this one, with `setup`) can attach to it again. A no-op when not
+        set up. Training state (counters) is kept until the session is discarded."""
+        if self.handle is None:
+            return
+        self.handle.restore()
+        self.handle = None
+        self.run = None
+        self._current = None
+        self._loss_due = False
+        self._eval = None
 
     def begin_training(
         self,
@@ -163,8 +185,8 @@ class TrainingSession:
         self._grad_scaler = grad_scaler
         self.plugins.begin_training(self.run)
         if self._pending_state is not None:
-            state, self._pending_state = self._pending_state, None
-            self.plugins.load_state_dict(state)
+            (state, where), self._pending_state = self._pending_state, None
+            self._restore(state, where)
         return self.run
 
     @staticmethod
@@ -277,11 +299,15 @@ class TrainingSession:
         ``{"config": dict, "plugins": {namespace: {key: tensor}}}``."""
         return {"config": self.config.to_dict(), "plugins": self.plugins.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output, refusing one from an incompatible configuration.
-        Before `begin_training` it is kept and restored when training begins."""
-        check_compatible(state["config"], self.config.to_dict(), "checkpointed aniso_plugins state")
-        self._restore(state["plugins"])
+    def load_state_dict(self, state: dict, where: str = "checkpointed aniso_plugins state") -> None:
+        """Restore `state_dict()` output, refusing one from an incompatible configuration
+        (see `load` for what a refusal does). Before `begin_training` it is kept and restored
+        when training begins. `where` names the state's origin in messages."""
+        with self.reading_state(where):
+            if not isinstance(state, Mapping) or not {"config", "plugins"} <= set(state):
+                raise StateError(f"{where}: not an aniso_plugins state (expected the keys 'config' and 'plugins')")
+            check_compatible(state["config"], self.config.to_dict(), where)
+            self._restore(state["plugins"], where)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plugins' state into `directory` (call on one rank); returns the path."""
@@ -290,17 +316,41 @@ class TrainingSession:
         return path
 
     def load(self, directory: str | os.PathLike) -> bool:
-        """Restore from `directory` if it holds a state file; returns whether it did."""
+        """Restore from `directory` if it holds a state file; returns whether it did.
+
+        State that cannot be used (an unreadable file, another configuration, a counter window
+        that cannot be re-cut exactly) raises `StateError` naming the file and the way out, or,
+        with ``config.on_state_mismatch="reset"``, is skipped with a warning (fresh state)."""
         path = os.path.join(os.fspath(directory), self.STATE_FILE)
         if not os.path.exists(path):
             return False
-        self._restore(load_state(path, self.config.to_dict()))
+        with self.reading_state(path):
+            self._restore(load_state(path, self.config.to_dict()), path)
         return True
 
-    def _restore(self, plugin_state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    def _restore(self, plugin_state: Mapping[str, Mapping[str, torch.Tensor]], where: str) -> None:
         if self.run is None:
-            self._pending_state = plugin_state
-        else:
+            self._pending_state = (plugin_state, where)
+            return
+        with self.reading_state(where):
             self.plugins.load_state_dict(plugin_state)
+
+    @contextlib.contextmanager
+    def reading_state(self, where: str) -> Iterator[None]:
+        """Around reading and restoring saved state from `where` (a path, a checkpoint entry):
+        any failure becomes a `StateError` that names `where`, what is wrong and the way out;
+        with ``config.on_state_mismatch="reset"`` it is a warning instead and the plugins'
+        state stays fresh."""
+        try:
+            try:
+                yield
+            except StateError:
+                raise
+            except Exception as e:  # unreadable bytes, or a plugin refusing its part
+                raise StateError(f"{where}: the saved state cannot be used ({type(e).__name__}: {e}); {RESET_HINT}") from e
+        except StateError as e:
+            if self.config.on_state_mismatch != "reset":
+                raise
+            logger.warning("%s -- on_state_mismatch='reset': the plugins' state starts fresh", e)
 
 __all__ = ["GradScaler", "MetricsSink", "TrainingSession", "batch_targets", "causal_targets"]

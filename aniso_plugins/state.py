@@ -20,8 +20,11 @@ from .errors import StateError
 
 FORMAT = "aniso_plugins.state"
 FORMAT_VERSION = 1
-# Fields whose change makes saved state meaningless (the rest, e.g. metric cadence, may change on resume).
-STATE_FIELDS = ("method", "head", "alpha", "window", "special_ids", "ignore_index", "lowrank_rank")
+# Fields whose change makes saved state meaningless (the rest, e.g. metric cadence, may change on
+# resume). The AGG window is not among them: the token counter re-cuts its window itself where
+# that is exact (`SlidingTokenCounter.load_state_dict`).
+STATE_FIELDS = ("method", "head", "alpha", "special_ids", "ignore_index", "lowrank_rank")
+RESET_HINT = "to resume without it, delete it or set AnisoConfig(on_state_mismatch='reset') to start the plugins' state fresh"
 
 
 def save_state(path: str | os.PathLike, state: Mapping[str, Mapping[str, torch.Tensor]], config: Mapping) -> None:
@@ -55,19 +58,30 @@ def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, 
     from safetensors import safe_open
 
     path = os.fspath(path)
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(path)
+        saved_config = json.loads(meta.get("config", "{}"))
+        plugins = json.loads(meta.get("plugins", "[]"))
+    except Exception as e:  # safetensors' errors, OSError, JSON errors: all mean "cannot read it"
+        raise StateError(
+            f"{path}: not a readable aniso_plugins state file ({type(e).__name__}: {e}); it is truncated, empty "
+            f"or corrupt (e.g. a save interrupted by a kill): {RESET_HINT}, or resume from an older checkpoint"
+        ) from e
     if meta.get("format") != FORMAT:
-        raise StateError(f"{path}: not an aniso_plugins state file (format={meta.get('format')!r})")
+        raise StateError(f"{path}: not an aniso_plugins state file (format={meta.get('format')!r}): {RESET_HINT}")
     if meta.get("version") != str(FORMAT_VERSION):
         raise StateError(
             f"{path}: state format version {meta.get('version')} (package {meta.get('package')}), "
-            f"this package reads version {FORMAT_VERSION}"
+            f"this package reads version {FORMAT_VERSION}: {RESET_HINT}"
         )
-    check_compatible(json.loads(meta.get("config", "{}")), config, path)
-    state: dict[str, dict[str, torch.Tensor]] = {p: {} for p in json.loads(meta.get("plugins", "[]"))}
-    for name, tensor in load_file(path).items():
-        plugin, key = name.split("/", 1)
+    check_compatible(saved_config, config, path)
+    state: dict[str, dict[str, torch.Tensor]] = {p: {} for p in plugins}
+    for name, tensor in tensors.items():
+        plugin, sep, key = name.partition("/")
+        if not sep:
+            raise StateError(f"{path}: tensor {name!r} is not named <plugin>/<key>: {RESET_HINT}")
         state.setdefault(plugin, {})[key] = tensor
     return state
 
@@ -81,7 +95,7 @@ def check_compatible(saved: Mapping, config: Mapping, where: str) -> None:
         if _jsonable(saved.get(k)) != _jsonable(config.get(k))
     ]
     if diffs:
-        raise StateError(f"{where}: written under another configuration ({'; '.join(diffs)})")
+        raise StateError(f"{where}: written under another configuration ({'; '.join(diffs)}): {RESET_HINT}")
 
 
 def _jsonable(value):

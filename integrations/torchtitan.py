@@ -215,8 +215,9 @@ class AnisoCheckpointState(Stateful):
         return {"state": buffer.getvalue()}
 
     def load_state_dict(self, state_dict: dict[str, bytes]) -> None:
-        state = torch.load(io.BytesIO(state_dict["state"]), weights_only=True)
-        self.session.load_state_dict(state)
+        where = f"the DCP checkpoint entry {STATE_KEY!r}"
+        with self.session.reading_state(where):
+            self.session.load_state_dict(torch.load(io.BytesIO(state_dict["state"]), weights_only=True), where=where)
 
 
 class AnisoCheckpointManager(CheckpointManager):

@@ -18,8 +18,10 @@ from aniso_plugins import (
     AnisoConfig,
     AnisoPlugins,
     ConfigError,
+    LowRankHead,
     ModelHandle,
     RunInfo,
+    SetupError,
     StepInfo,
     agg_cross_entropy,
     agg_gates,
@@ -435,25 +437,10 @@ def test_bf16_autocast_runs_and_is_close_to_fp32():
 # --- AGGForward --------------------------------------------------------------------------------------------
 
 
-class LowRankHead(nn.Module):
-    """A head whose `weight` is computed (W = A·B), like the low-rank head plugin's."""
-
-    def __init__(self, v, d, r):
-        super().__init__()
-        self.A = nn.Parameter(torch.randn(v, r, dtype=torch.float64))
-        self.B = nn.Parameter(torch.randn(r, d, dtype=torch.float64))
-
-    @property
-    def weight(self):
-        return self.A @ self.B
-
-    def forward(self, input):
-        return input @ self.B.T @ self.A.T
-
-
 def test_head_reads_computed_weight_and_consumes_targets_once():
     h, _, _, y, a = make_case(dtype=torch.float64)
-    head = LowRankHead(19, 6, 3)
+    torch.manual_seed(0)
+    head = LowRankHead(6, 19, 3, bias=False, dtype=torch.float64)  # `weight` is computed, W = A·B
     gates = agg_gates(a, 0.3)
     ref = grads(three_logit_loss(h, head.weight, y, gates), head.A, head.B)
     installed = AGGForward(head)
@@ -474,7 +461,7 @@ def test_head_reads_computed_weight_and_consumes_targets_once():
         head.train()
         head(h)
     assert installed.armed  # neither call consumed them
-    with pytest.raises(ValueError, match="already"):
+    with pytest.raises(SetupError, match="already has an AGG forward installed.*detach"):
         AGGForward(head)
     installed.remove()
     assert "forward" not in head.__dict__
@@ -653,8 +640,9 @@ def test_plugin_eval_forward_is_plain_and_keeps_targets():
     model.eval()
     torch.testing.assert_close(model(ids), F.linear(model.body(ids), model.lm_head.weight))
     assert plugins.get("agg").head.armed
-    plugins.step_end(StepInfo(step=1))
-    assert not plugins.get("agg").head.armed  # stale targets never reach the next step
+    # the announced training micro-batch never ran through the gated head: AGG says so
+    with pytest.raises(SetupError, match="gated forward did not run"):
+        plugins.step_end(StepInfo(step=1))
 
 
 def test_plugin_warns_when_the_trainer_step_is_ahead_of_the_counter(caplog):

@@ -50,6 +50,7 @@ NON_DEFAULT = dict(
     hidden_samples=32,
     bottleneck_every=9,
     load_entry_points=False,
+    on_state_mismatch="reset",
 )
 
 

@@ -260,11 +260,13 @@ def test_state_round_trip_and_refusals(tmp_path):
     assert torch.equal(b.counts, a.counts)
     assert not list(tmp_path.glob("*.tmp*"))
 
-    other = AnisoConfig(method="none", window=8, metrics=(), load_entry_points=False)
-    with pytest.raises(StateError, match="window: saved 7, now 8"):
+    other = AnisoConfig(method="none", window=7, alpha=0.05, metrics=(), load_entry_points=False)
+    with pytest.raises(StateError, match="alpha: saved 0.03, now 0.05.*on_state_mismatch='reset'"):
         AnisoPlugins(other, plugins=[Counter()]).load(tmp_path / "s.safetensors")
-    # cadence fields may change on resume
-    AnisoPlugins(AnisoConfig(method="none", window=7, metrics_every=5, metrics=(), load_entry_points=False), plugins=[Counter()]).load(tmp_path / "s.safetensors")
+    # cadence fields may change on resume, and so may the window (the AGG counter re-cuts it)
+    for changed in (dict(metrics_every=5), dict(window=8)):
+        fields = dict(method="none", window=7, metrics=(), load_entry_points=False) | changed
+        AnisoPlugins(AnisoConfig(**fields), plugins=[Counter()]).load(tmp_path / "s.safetensors")
 
     from safetensors.torch import save_file
 

@@ -105,14 +105,50 @@ def test_state_round_trip_mid_step_continues_identically():
     assert torch.equal(a.counts(), b.counts())
 
 
-def test_load_state_rejects_other_window_or_vocab():
-    state = SlidingTokenCounter(10, 3).state_dict()
-    with pytest.raises(ValueError, match="window=3"):
-        SlidingTokenCounter(10, 4).load_state_dict(state)
-    with pytest.raises(ValueError, match="vocab_size=10"):
-        SlidingTokenCounter(11, 3).load_state_dict(state)
+def _run(window, stream):
+    counter = SlidingTokenCounter(23, window)
+    for micro in stream:
+        for m in micro:
+            counter.update(m)
+        counter.step()
+    return counter
+
+
+@pytest.mark.parametrize("saved_window, steps, new_window", [(6, 9, 3), (6, 9, 1), (6, 4, 8), (2, 1, 5)])
+def test_load_state_recuts_another_window_exactly_when_the_steps_are_stored(saved_window, steps, new_window):
+    stream = list(_stream(5, 23, steps, 2, 7, 0.8))
+    resumed = SlidingTokenCounter(23, new_window)
+    resumed.load_state_dict(_run(saved_window, stream).state_dict())
+    reference = _run(new_window, stream)  # a run that had the new window all along
+    assert resumed.step_index == reference.step_index
+    assert torch.equal(resumed.counts(), reference.counts())
+    more = list(_stream(6, 23, new_window + 2, 2, 7, 0.8))
+    for micro in more:  # and it keeps evicting exactly
+        for m in micro:
+            resumed.update(m)
+            reference.update(m)
+        resumed.step()
+        reference.step()
+        assert torch.equal(resumed.counts(), reference.counts())
+
+
+def test_load_state_refuses_what_it_cannot_recut_or_read():
+    stream = list(_stream(5, 23, 9, 2, 7, 0.8))
+    state = _run(6, stream).state_dict()  # holds the last 5 completed steps of 8
+    with pytest.raises(ValueError, match="window=8 needs 7"):
+        SlidingTokenCounter(23, 8).load_state_dict(state)
+    with pytest.raises(ValueError, match="vocab_size=23"):
+        SlidingTokenCounter(24, 6).load_state_dict(state)
     with pytest.raises(ValueError, match="missing keys"):
-        SlidingTokenCounter(10, 3).load_state_dict({"step": state["step"]})
+        SlidingTokenCounter(23, 6).load_state_dict({"step": state["step"]})
+    tampered = dict(state, sizes=state["sizes"] + 1)
+    untouched = _run(6, stream)
+    before = untouched.counts()
+    with pytest.raises(ValueError, match="inconsistent state"):
+        untouched.load_state_dict(tampered)
+    assert torch.equal(untouched.counts(), before)  # checked before anything changed
+    with pytest.raises(ValueError, match=r"ids outside \[0, 23\)"):
+        SlidingTokenCounter(23, 6).load_state_dict(dict(state, ids=state["ids"] + 100))
 
 
 def test_memory_holds_only_the_window():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from aniso_plugins import AnisoConfig, SetupError, hookimpl
+from aniso_plugins import AnisoConfig, SetupError, StateError, hookimpl
 from aniso_plugins.integrations.lightning import AnisoCallback
 from lightning_utils import GradCapture, LitLM, loader
 from references import agg_first_step_grad, regularizer_grad
@@ -121,7 +121,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
         assert torch.equal(p, q), name
     a, b = cb_a.session.plugins.state_dict(), cb_b.session.plugins.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
-    with pytest.raises(Exception, match="window: saved 3, now 4"):
+    with pytest.raises(StateError, match="window=4 needs 3.*on_state_mismatch='reset'"):  # not exactly re-cuttable
         fit(tmp_path / "d", AnisoConfig(**{**cfg, "window": 4}), max_steps=12, ckpt_path=path)
 
 

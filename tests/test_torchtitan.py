@@ -178,6 +178,7 @@ def test_checkpoint_state_round_trips_and_refuses_another_configuration():
     saved = runtime()
     session = saved.session
     session.begin_micro_batch(torch.tensor([[1, 2, 2, 5]]), step=1)
+    session.handle.head()(torch.randn(1, 4, 8))  # the micro-batch's (gated) head forward
     session.end_step(1)
     blob = saved.state_dict()
     assert isinstance(saved, AnisoCheckpointState) and set(blob) == {"state"} and isinstance(blob["state"], bytes)

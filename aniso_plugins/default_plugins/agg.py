@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..agg import AGGGates, agg_gates
-from ..agg_head import AGGForward
+from ..agg_head import AGGForward, check_linear_head
 from ..config import AnisoConfig, ConfigError
 from ..counter import SlidingTokenCounter
 from ..distributed import is_distributed
@@ -49,6 +49,7 @@ class AGGPlugin:
         self.config = config
         self.process_group: dist.ProcessGroup | None = None
         self.head: AGGForward | None = None
+        self.model: ModelHandle | None = None
         self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
         self.last_gates: AGGGates | None = None
@@ -62,11 +63,16 @@ class AGGPlugin:
         bad = [i for i in config.special_ids if i >= vocab]
         if bad:
             raise ConfigError(f"special_ids={config.special_ids!r}: ids {bad} are >= the vocabulary size {vocab}")
+        head = model.head()
+        check_linear_head(head)
+        self.model = model
         self.vocab_size = vocab
-        self.head = AGGForward(model.head(), ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
+        self.head = AGGForward(head, ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
+        model.on_restore(self.head.remove)
 
     @hookimpl
     def aniso_begin_training(self, run: RunInfo) -> None:
+        self._check_head_in_place()
         window = self.config.window or run.epoch_steps
         if window is None:
             raise ConfigError(
@@ -83,6 +89,12 @@ class AGGPlugin:
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
         counter = self._ready()
+        self._check_consumed(step)
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+            raise SetupError(
+                f"AGG: the training targets are {targets.dtype}, not integer token ids: the batch's 'labels' (or the "
+                "targets function) must hold token ids (e.g. labels=input_ids.clone(), torch.long)"
+            )
         if step.step != counter.step_index and not self._step_warned:
             self._step_warned = True
             logger.warning(
@@ -106,8 +118,8 @@ class AGGPlugin:
 
     @hookimpl
     def aniso_step_end(self, step: StepInfo) -> None:
-        self.head.disarm()
         counter = self._ready()
+        self._check_consumed(step)
         after = self.config.agg_static_after
         if after is not None and self._static is None and counter.step_index >= after:
             self._static = (counter.appearance(), counter.steps_in_window)
@@ -145,12 +157,49 @@ class AGGPlugin:
         mine = state.get(NAMESPACE)
         if mine is None:
             return
-        counter = self._ready()
-        counter.load_state_dict(mine)
+        current = self._ready()
+        counter = SlidingTokenCounter(
+            current.vocab_size, current.window, always_frequent=current.always_frequent, ignore_index=current.ignore_index
+        )
+        counter.load_state_dict(mine)  # raises before anything is replaced
+        saved_window = int(mine["window"][0])
+        if saved_window != counter.window:
+            logger.warning(
+                "AGG: the saved token counter has window K=%d, this run K=%d (the epoch length changed with the "
+                "batch size, the number of ranks or the gradient accumulation, or window= did): it keeps the last "
+                "%d completed steps, exactly the counts a K=%d run would hold",
+                saved_window,
+                counter.window,
+                counter.window - 1,
+                counter.window,
+            )
+        static = None
         if "static_appearance" in mine:
-            self._static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]))
+            static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]))
+        self.counter, self._static = counter, static
 
     # --- internals ------------------------------------------------------------------------------
+    def _check_head_in_place(self) -> None:
+        current = self.model.head()
+        if current is not self.head.module:
+            raise SetupError(
+                f"AGG gates the LM head it set up ({type(self.head.module).__name__}), but the model's head is now a "
+                f"{type(current).__name__}: something replaced it after AGG's set-up (e.g. a second AnisoCallback "
+                "with head=...). Put every option in one AnisoConfig (AnisoConfig(method='agg', head='lowrank', ...)) "
+                "so the head is replaced first and AGG gates the new one"
+            )
+
+    def _check_consumed(self, step: StepInfo) -> None:
+        """A micro-batch AGG was announced must have run through the gated head."""
+        if not self.head.armed:
+            return
+        self._check_head_in_place()
+        raise SetupError(
+            f"AGG: step {step.step}'s micro-batch was announced, but the LM head's gated forward did not run on it "
+            "(the head ran in eval mode, without gradients, or not at all), so its weight gradient was not gated. "
+            "AGG needs the training forward to call the model's LM head"
+        )
+
     def _ready(self) -> SlidingTokenCounter:
         if self.counter is None:
             raise RuntimeError("AGG: no token counter yet (the adapter must call TrainingSession.begin_training first)")

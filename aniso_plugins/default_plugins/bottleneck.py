@@ -62,6 +62,8 @@ class BottleneckPlugin:
         head = model.head()
         self.vocab_size = model.vocab_size
         self.handles = [head.register_forward_pre_hook(self._pre_forward), head.register_forward_hook(self._forward)]
+        for handle in self.handles:
+            model.on_restore(handle.remove)
 
     def due(self, step: StepInfo) -> bool:
         """Whether `step` is a probe step (see the module docstring)."""

@@ -13,7 +13,10 @@ unit-row sum. Logged as ``geometry/<matrix>/<metric>``, matrix ``head`` or ``emb
   quarter, half and three quarters of the way down the k = min(V, d) raw singular values;
 - ``variance_share_top1`` / ``variance_share_top3``: share of the variance on the top 1 / 3
   principal components (centered);
-- ``isoscore``: IsoScore of the rows (Rudman et al. 2022).
+- ``isoscore``: IsoScore of the rows (Rudman et al. 2022);
+- ``nonfinite``: how many entries of the matrix are NaN or ±inf. When it is not 0 every other
+  metric of that matrix is NaN (nothing raises, training goes on) and one warning names the
+  matrix and the count.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..geometry import (
     moments,
 )
 from ..hookspecs import hookimpl
+from ..plugins import logger
 from ..isoscore import isoscore_from_variances
 from ..model import ModelHandle
 from ..reduce import Stat
@@ -52,6 +56,7 @@ class GeometryPlugin:
         self.config = config
         self.model: ModelHandle | None = None
         self._spectra: dict[str, tuple[Spectrum, Spectrum]] = {}
+        self._warned: set[str] = set()
 
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
@@ -78,8 +83,9 @@ class GeometryPlugin:
         for name, weight in self.matrices().items():
             prefix = f"geometry/{name}/"
             rows = matrix_rows(weight, f"{name} weight")
-            if round_index == 0:  # Gram, row sum, count; raw unit-row sum
+            if round_index == 0:  # Gram, row sum, count; raw unit-row sum; non-finite entries
                 stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix + "raw/")
+                stats[prefix + "nonfinite"] = Stat((~torch.isfinite(rows)).sum().to(torch.float64))
                 continue
             # round 1: from the reduced Gram's eigenvectors, the partition functions of I(W)
             m = moments(reduced, prefix)
@@ -100,6 +106,19 @@ class GeometryPlugin:
         out: dict[str, float] = {}
         for name, (raw, centered) in self._spectra.items():
             p = f"geometry/{name}/"
+            nonfinite = int(reduced[p + "nonfinite"])
+            out[p + "nonfinite"] = float(nonfinite)
+            if nonfinite and name not in self._warned:
+                self._warned.add(name)
+                logger.warning(
+                    "aniso_plugins geometry: the %s weight has %d non-finite entries (NaN or inf) at step %d; its "
+                    "geometry metrics are NaN while they remain (aniso/geometry/%s/nonfinite counts them). "
+                    "Training goes on.",
+                    name,
+                    nonfinite,
+                    step.step,
+                    name,
+                )
             out[p + "mean_cosine"] = mean_cosine_finish(reduced, p + "raw/")
             out[p + "mean_cosine_centered"] = mean_cosine_finish(reduced, p + "centered/")
             out[p + "isotropy"] = isotropy_finish(reduced, p + "raw/")

@@ -37,13 +37,14 @@ class HeadSurgeryPlugin:
 
     @hookimpl(tryfirst=True)
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        model.untie()
         if config.head == "untie":
+            model.untie()
             return
-        try:
+        try:  # built (and its rank checked) before anything about the model changes
             head = LowRankHead.from_linear(model.head(), config.lowrank_rank, init=config.lowrank_init)
         except ValueError as e:
             raise SetupError(f"head='lowrank' (lowrank_rank={config.lowrank_rank}): {e}") from e
+        model.untie()
         model.set_head(head)
 
 

@@ -59,6 +59,8 @@ class HiddenStatesPlugin:
             )
         self.model = model
         self.handles = [block.register_forward_hook(self._hook(i)) for i, block in enumerate(blocks)]
+        for handle in self.handles:
+            model.on_restore(handle.remove)
         self._generator = torch.Generator().manual_seed(rank_and_world()[0])
 
     @hookimpl
