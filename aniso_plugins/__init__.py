@@ -31,7 +31,7 @@ from .lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
 from .hookspecs import hookimpl
 from .isoscore import isoscore
 from .loss import attach_loss
-from .model import ModelHandle, OutputEmbeddingsHandle, SetupError, find_handle
+from .model import ModelHandle, OutputEmbeddingsHandle, SetupError, detach, find_handle
 from .plugins import AnisoPlugins
 from .reduce import Stat, reduce_stats
 from .regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
@@ -69,6 +69,7 @@ __all__ = [
     "bottleneck_stats",
     "cosine_hinge",
     "cosreg",
+    "detach",
     "effective_rank",
     "find_handle",
     "frequency_groups",

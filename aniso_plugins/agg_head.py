@@ -133,8 +133,8 @@ def check_linear_head(module: nn.Module) -> None:
     if isinstance(installed, AGGForward):
         raise SetupError(
             f"the LM head {name} already has an AGG forward installed, by a session that was not detached "
-            "(e.g. a notebook cell run twice): call .detach() on the callback (or session) that installed it, "
-            "then attach again"
+            "(e.g. a notebook cell run twice): call .detach() on the callback that installed it, or "
+            "aniso_plugins.detach(model), then attach again"
         )
     if "forward" in module.__dict__:
         raise SetupError(

@@ -10,6 +10,7 @@ Parameters, same tying, same forwards)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,6 +32,8 @@ def _set(root: nn.Module, path: str, module: nn.Module) -> None:
 
 
 _MISSING = object()
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, list[ModelHandle]] = weakref.WeakKeyDictionary()
+"""Per model, the handles whose journal holds changes to it (what `detach` undoes)."""
 
 
 class ModelHandle:
@@ -55,7 +58,7 @@ class ModelHandle:
         self._embedding = input_embedding
         self._blocks = blocks
         self._on_untie = on_untie
-        self._undo: list[Callable[[], None]] = []
+        self._undo: list[tuple[Callable[[], None], bool]] = []  # (undo, is head surgery)
         head_module = self.head()
         weight = getattr(head_module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -63,6 +66,14 @@ class ModelHandle:
                 f"the LM head {type(head_module).__name__} at {head!r} has no 2-D `weight`; "
                 "expected an nn.Linear-like output projection of shape (vocab, hidden)"
             )
+        embedding = getattr(self.input_embedding(), "weight", None)
+        if isinstance(embedding, torch.Tensor) and embedding.dim() == 2 and weight.shape != embedding.shape:
+            if tuple(weight.shape) == tuple(embedding.shape)[::-1]:
+                raise SetupError(
+                    f"the LM head {type(head_module).__name__} stores its weight as {tuple(weight.shape)}, the transpose "
+                    f"of the input embedding's {tuple(embedding.shape)} (vocab, hidden): aniso_plugins reads the head's "
+                    "rows as token vectors, so the weight must be (vocab, hidden) as in nn.Linear(hidden, vocab)"
+                )
 
     def head(self) -> nn.Module:
         """The output projection module (owns ``weight``, shape (V, d))."""
@@ -73,25 +84,39 @@ class ModelHandle:
         `restore`."""
         previous = self.head()
         self._replace_head(module)
-        self.on_restore(lambda: self._replace_head(previous))
+        self.on_restore(lambda: self._replace_head(previous), surgery=True)
 
     def _replace_head(self, module: nn.Module) -> None:
         _set(self.model, self._head, module)
 
     # --- the journal ------------------------------------------------------------------------
-    def on_restore(self, undo: Callable[[], None]) -> None:
-        """Record how to undo a change made to the model (e.g. a hook handle's ``remove``)."""
-        self._undo.append(undo)
+    def on_restore(self, undo: Callable[[], None], *, surgery: bool = False) -> None:
+        """Record how to undo a change made to the model: instrumentation (a hook handle's
+        ``remove``, a forward installed in place) or, with `surgery`, a change of the model's
+        own parameters or structure (a replaced or untied head)."""
+        if not self._undo:
+            _HANDLES.setdefault(self.model, []).append(self)
+        self._undo.append((undo, surgery))
 
     @property
     def modified(self) -> bool:
         """Whether set-up changed anything that `restore` would undo."""
         return bool(self._undo)
 
-    def restore(self) -> None:
-        """Undo every recorded change, newest first."""
+    def restore(self, keep_surgery: bool = False) -> None:
+        """Undo every recorded change, newest first; with `keep_surgery` only the
+        instrumentation (hooks, installed forwards), keeping a replaced or untied head (whose
+        trained Parameters are the run's result)."""
+        kept = []
         while self._undo:
-            self._undo.pop()()
+            undo, surgery = self._undo.pop()
+            if surgery and keep_surgery:
+                kept.append((undo, surgery))
+            else:
+                undo()
+        self._undo = kept[::-1] if keep_surgery else []
+        if not self._undo and self in _HANDLES.get(self.model, ()):
+            _HANDLES[self.model].remove(self)
 
     def input_embedding(self) -> nn.Module | None:
         """The token embedding, or None if the model has none reachable."""
@@ -122,7 +147,7 @@ class ModelHandle:
         head = self.head()
         shared = head.weight
         head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
-        self.on_restore(lambda: setattr(head, "weight", shared))
+        self.on_restore(lambda: setattr(head, "weight", shared), surgery=True)
         if self._on_untie is not None:
             self._on_untie()
 
@@ -168,18 +193,31 @@ class OutputEmbeddingsHandle(ModelHandle):
         before = [(cfg, cfg.tie_word_embeddings) for cfg in configs]
         for cfg in configs:
             cfg.tie_word_embeddings = False
-        self.on_restore(lambda: [setattr(cfg, "tie_word_embeddings", value) for cfg, value in before])
+        self.on_restore(lambda: [setattr(cfg, "tie_word_embeddings", value) for cfg, value in before], surgery=True)
         expand = getattr(self.model, "get_expanded_tied_weights_keys", None)
         if callable(expand):  # transformers caches the tie mapping; init_weights() re-ties from it
             cached = self.model.__dict__.get("all_tied_weights_keys", _MISSING)
             self.model.all_tied_weights_keys = expand(all_submodels=True)
-            self.on_restore(lambda: self._restore_attribute("all_tied_weights_keys", cached))
+            self.on_restore(lambda: self._restore_attribute("all_tied_weights_keys", cached), surgery=True)
 
     def _restore_attribute(self, name: str, value: object) -> None:
         if value is _MISSING:
             self.model.__dict__.pop(name, None)
         else:
             setattr(self.model, name, value)
+
+
+def detach(model: nn.Module, keep_surgery: bool = False) -> int:
+    """Undo what every aniso_plugins set-up did to `model` (or a module inside it) that was not
+    undone yet, e.g. by a Trainer of a notebook cell run before whose callback is gone; returns
+    how many set-ups were undone. `keep_surgery` keeps replaced or untied heads."""
+    done = 0
+    for root, handles in list(_HANDLES.items()):
+        if root is model or any(m is model for m in root.modules()) or any(m is root for m in model.modules()):
+            for handle in list(handles)[::-1]:
+                handle.restore(keep_surgery)
+                done += 1
+    return done
 
 
 def find_handle(
@@ -199,4 +237,4 @@ def find_handle(
     )
 
 
-__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "find_handle"]
+__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "detach", "find_handle"]

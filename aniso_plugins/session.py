@@ -145,14 +145,16 @@ class TrainingSession:
             raise
         self.handle = handle
 
-    def detach(self) -> None:
+    def detach(self, keep_head: bool = False) -> None:
         """Undo everything set-up did to the model (installed forwards, hooks, head surgery):
         afterwards it has the same modules, Parameters, tying and forwards as before `setup`,
-        and a new session (or this one, with `setup`) can attach to it again. A no-op when not
-        set up. Training state (counters) is kept until the session is discarded."""
+        and a new session (or this one, with `setup`) can attach to it again. `keep_head`
+        keeps a replaced or untied head (trained: it is the run's result) and removes only
+        the instrumentation. A no-op when not set up. Training state (counters) is kept until
+        the session is discarded."""
         if self.handle is None:
             return
-        self.handle.restore()
+        self.handle.restore(keep_surgery=keep_head)
         self.handle = None
         self.run = None
         self._current = None

@@ -83,6 +83,7 @@ class AnisoCallback(TrainerCallback):
         self._pending: dict[str, float] = {}
         self._resume_dir: str | None = None
         self._measure_next = False
+        self._wrappers: dict[str, Any] = {}
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
@@ -109,12 +110,39 @@ class AnisoCallback(TrainerCallback):
         handler.callbacks.remove(self)
         flow = [i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)]
         handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
-        if self.session.handle is None:
-            self.session.setup(hf_handle(trainer.model))
-        self._wrap(trainer)
+        try:
+            self._wrap(trainer)
+            if self.session.handle is None:
+                self.session.setup(hf_handle(trainer.model))
+        except BaseException:
+            self.detach()  # nothing stays half-applied: the model and the Trainer as they were
+            raise
         return self
 
+    def detach(self, keep_head: bool = False) -> None:
+        """Undo what this callback did: the model gets back its forwards, hooks, head and tying
+        exactly as before (`keep_head=True` keeps a replaced or untied head, whose trained
+        Parameters are the run's result), the Trainer its own ``training_step``,
+        ``prediction_step`` and ``train``, and the callback leaves its callback list. A new
+        ``AnisoCallback`` can then attach to the same model (e.g. a notebook cell run again)."""
+        self.session.detach(keep_head=keep_head)
+        trainer, self.trainer = self.trainer, None
+        if trainer is None:
+            return
+        for name, wrapper in self._wrappers.items():
+            if trainer.__dict__.get(name) is wrapper:
+                del trainer.__dict__[name]  # the class's method again
+        self._wrappers = {}
+        if self in trainer.callback_handler.callbacks:
+            trainer.callback_handler.callbacks.remove(self)
+
     def _wrap(self, trainer: Trainer) -> None:
+        wrapped = [name for name in ("training_step", "prediction_step", "train") if name in trainer.__dict__]
+        if wrapped:
+            raise SetupError(
+                f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
+                "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
+            )
         training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
 
         def training_step_with_targets(model, inputs, num_items_in_batch=None):
@@ -132,9 +160,13 @@ class AnisoCallback(TrainerCallback):
             self._resume_dir = ckpt
             return train(ckpt, *args, **kwargs)
 
-        trainer.training_step = training_step_with_targets
-        trainer.prediction_step = prediction_step_with_targets
-        trainer.train = train_remembering_checkpoint
+        self._wrappers = {
+            "training_step": training_step_with_targets,
+            "prediction_step": prediction_step_with_targets,
+            "train": train_remembering_checkpoint,
+        }
+        for name, wrapper in self._wrappers.items():
+            setattr(trainer, name, wrapper)
 
     def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
         targets = self.session.targets_of(inputs)

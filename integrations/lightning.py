@@ -93,6 +93,17 @@ class AnisoCallback(pl.Callback):
             raise SetupError("AnisoCallback needs automatic optimization (manual optimization is not supported)")
         self.session.setup(find_handle(pl_module, **self._paths))
 
+    def detach(self, keep_head: bool = False) -> None:
+        """Undo what this callback did to the model: its forwards, hooks, head and tying are
+        exactly as before `setup` (`keep_head=True` keeps a replaced or untied head, whose
+        trained Parameters are the run's result). Lightning's ``teardown`` after ``fit`` calls
+        it with ``keep_head=True``, so the same model can be fitted again with a new callback."""
+        self.session.detach(keep_head=keep_head)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.detach(keep_head=True)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         acc = trainer.accumulate_grad_batches
         self.session.begin_training(

@@ -103,7 +103,14 @@ class AGGPlugin:
                 step.step,
                 counter.step_index,
             )
-        counter.update(targets, all_reduce=is_distributed(), group=self.process_group)
+        try:
+            counter.update(targets, all_reduce=is_distributed(), group=self.process_group)
+        except ValueError as e:
+            shape = tuple(self.head.module.weight.shape)
+            raise SetupError(
+                f"AGG: {e}. The vocabulary size {counter.vocab_size} is the first dimension of the LM head's weight "
+                f"{shape}; targets must be token ids below it (or ignore_index={self.config.ignore_index})"
+            ) from e
         gates = self._gates(counter)
         self.last_gates = gates
         fused = self.config.agg_fused
