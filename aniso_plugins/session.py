@@ -38,7 +38,7 @@ from .loss import attach_loss
 from .model import ModelHandle, SetupError
 from .plugins import AnisoPlugins
 from .errors import StateError
-from .state import RESET_HINT, check_compatible, load_state
+from .state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
 from .steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
 
 logger = logging.getLogger("aniso_plugins")
@@ -314,6 +314,7 @@ class TrainingSession:
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plugins' state into `directory` (call on one rank); returns the path."""
         path = os.path.join(os.fspath(directory), self.STATE_FILE)
+        remove_stale_temporaries(path)
         self.plugins.save(path)
         return path
 
@@ -324,6 +325,7 @@ class TrainingSession:
         that cannot be re-cut exactly) raises `StateError` naming the file and the way out, or,
         with ``config.on_state_mismatch="reset"``, is skipped with a warning (fresh state)."""
         path = os.path.join(os.fspath(directory), self.STATE_FILE)
+        remove_stale_temporaries(path)
         if not os.path.exists(path):
             return False
         with self.reading_state(path):

@@ -45,9 +45,25 @@ def save_state(path: str | os.PathLike, state: Mapping[str, Mapping[str, torch.T
         "plugins": json.dumps(sorted(state)),
     }
     path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = f"{path}{TEMP_SUFFIX}{os.getpid()}"
     save_file(tensors, tmp, metadata=meta)
     os.replace(tmp, path)
+
+
+TEMP_SUFFIX = ".tmp"
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
+    """Delete ``<path>.tmp<pid>`` files that a save killed before its rename left behind
+    (call where no other process is saving to `path`); returns what it deleted."""
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    stale = [
+        os.path.join(folder, f) for f in os.listdir(folder or ".") if f.startswith(name + TEMP_SUFFIX)
+    ] if os.path.isdir(folder or ".") else []
+    for f in stale:
+        os.remove(f)
+    return stale
 
 
 def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, torch.Tensor]]:
@@ -102,4 +118,4 @@ def _jsonable(value):
     return json.loads(json.dumps(value))
 
 
-__all__ = ["save_state", "load_state", "check_compatible", "StateError", "FORMAT_VERSION"]
+__all__ = ["FORMAT_VERSION", "StateError", "check_compatible", "load_state", "remove_stale_temporaries", "save_state"]

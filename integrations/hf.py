@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -42,7 +43,8 @@ from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, Train
 try:
     from transformers import PreTrainedModel, Trainer, TrainerCallback
     from transformers.trainer_callback import DefaultFlowCallback
-    from transformers.trainer_utils import IntervalStrategy, get_last_checkpoint
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, get_last_checkpoint
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('aniso_plugins.integrations.hf needs transformers: pip install "aniso-plugins[hf]"') from e
 
@@ -156,7 +158,7 @@ class AnisoCallback(TrainerCallback):
         def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
             ckpt = resume_from_checkpoint
             if isinstance(ckpt, bool):
-                ckpt = get_last_checkpoint(trainer.args.output_dir) if ckpt else None
+                ckpt = newest_complete_checkpoint(trainer.args.output_dir) if ckpt else None
             self._resume_dir = ckpt
             return train(ckpt, *args, **kwargs)
 
@@ -229,6 +231,8 @@ class AnisoCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         self.session.end_step(step)
+        if control.should_save:  # before the Trainer's own save, which may rotate the previous checkpoint away
+            self._save_state(args, state)
         if self.session.measures_at(step, control.should_log):
             # into the Trainer's own record of this step (merged in on_log), or, at a step the
             # Trainer does not log (metrics_every), a record of its own
@@ -251,11 +255,49 @@ class AnisoCallback(TrainerCallback):
             extra, self._pending = self._pending, {}
             add_to_record(extra)
 
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_save:
+            self._save_state(args, state)
+
     def on_save(self, args, state, control, **kwargs):
+        # saves decided after evaluation (save_strategy="best") were not known at on_step_end
+        if not os.path.exists(os.path.join(self._checkpoint_dir(args, state), TrainingSession.STATE_FILE)):
+            self._save_state(args, state)
+
+    def _checkpoint_dir(self, args, state) -> str:
+        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    def _save_state(self, args, state) -> None:
+        """The plugin state into this step's checkpoint folder, atomically, on the saving process.
+        Written before the Trainer saves and rotates checkpoints, so that a kill at any instant
+        leaves the newest complete checkpoint with its own state (`newest_complete_checkpoint`
+        skips a folder whose save was interrupted)."""
         if args.should_save:
-            directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            directory = self._checkpoint_dir(args, state)
             os.makedirs(directory, exist_ok=True)
             self.session.save(directory)
 
 
-__all__ = ["AnisoCallback", "hf_handle"]
+def newest_complete_checkpoint(output_dir: str) -> str | None:
+    """The highest-step ``checkpoint-N`` folder of `output_dir` that the Trainer finished saving
+    (it holds ``trainer_state.json``, written after the model and optimizer), or None. A newer
+    folder without it is a save that was interrupted; resuming from it would fail, so it is
+    skipped with a warning (transformers' ``get_last_checkpoint`` takes the highest number)."""
+    if not os.path.isdir(output_dir):
+        return None
+    newest = get_last_checkpoint(output_dir)
+    complete = [
+        os.path.join(output_dir, name)
+        for name in os.listdir(output_dir)
+        if re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", name)
+        and os.path.exists(os.path.join(output_dir, name, TRAINER_STATE_NAME))
+    ]
+    best = max(complete, key=lambda path: int(path.rsplit("-", 1)[1]), default=None)
+    if newest is not None and best != newest:
+        logger.warning(
+            "%s is incomplete (no %s: its save was interrupted); resuming from %s", newest, TRAINER_STATE_NAME, best
+        )
+    return best
+
+
+__all__ = ["AnisoCallback", "hf_handle", "newest_complete_checkpoint"]
