@@ -41,7 +41,7 @@ class AGGForward:
     """
 
     def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int = ROW_BLOCK) -> None:
-        check_linear_head(module)
+        check_linear_head(module, framework_forward=True)  # the caller checked the head
         self.module = module
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
@@ -124,10 +124,12 @@ LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)
 """Forwards known to compute exactly ``F.linear(x, module.weight, module.bias)`` (up to rounding)."""
 
 
-def check_linear_head(module: nn.Module) -> None:
+def check_linear_head(module: nn.Module, framework_forward: bool = False) -> None:
     """Raise `SetupError` unless `module`'s forward is exactly a linear map of its ``weight``
     (and ``bias``): the AGG head replaces that forward by ``agg_linear(x, weight, ...)``, so
-    anything else it computes (a logit scale, a soft-cap, a norm) would silently be lost."""
+    anything else it computes (a logit scale, a soft-cap, a norm) would silently be lost.
+    `framework_forward`: the trainer sets an instance forward around the class forward that
+    changes no value (`ModelHandle.framework_wraps_head_forward`)."""
     name = type(module).__qualname__
     installed = getattr(module.forward, "__self__", None)
     if isinstance(installed, AGGForward):
@@ -136,7 +138,7 @@ def check_linear_head(module: nn.Module) -> None:
             "(e.g. a notebook cell run twice): call .detach() on the callback that installed it, or "
             "aniso_plugins.detach(model), then attach again"
         )
-    if "forward" in module.__dict__:
+    if "forward" in module.__dict__ and not framework_forward:
         raise SetupError(
             f"the LM head {name} has a forward of its own set on the instance ({module.forward!r}); AGG would "
             "replace it. Remove that patch, or train without AGG"

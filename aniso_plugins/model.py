@@ -39,6 +39,10 @@ _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[ModelHandle]] = weakref.Weak
 class ModelHandle:
     """Access to a causal LM's head, input embedding and blocks by submodule path.
 
+    ``framework_wraps_head_forward``: the trainer sets an instance ``forward`` on the head
+    around its class forward that changes no value (torchtitan's), so a forward installed in
+    place over it is not replacing user code.
+
     head: path of the output projection (an ``nn.Linear``-like module with ``weight`` of
         shape (V, d)); input_embedding: path of the token embedding or None; blocks: path of
         the ``nn.ModuleList`` of transformer blocks or None. Subclasses (the HF adapter's)
@@ -74,6 +78,8 @@ class ModelHandle:
                     f"of the input embedding's {tuple(embedding.shape)} (vocab, hidden): aniso_plugins reads the head's "
                     "rows as token vectors, so the weight must be (vocab, hidden) as in nn.Linear(hidden, vocab)"
                 )
+
+    framework_wraps_head_forward: bool = False
 
     def head(self) -> nn.Module:
         """The output projection module (owns ``weight``, shape (V, d))."""

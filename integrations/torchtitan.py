@@ -104,7 +104,11 @@ def default_config(**fields: Any) -> AnisoConfig:
 # --- model -------------------------------------------------------------------------------------
 class TitanModelHandle(ModelHandle):
     """`ModelHandle` for torchtitan decoders: ``lm_head``, ``tok_embeddings`` and the
-    ``layers`` ModuleDict (in order)."""
+    ``layers`` ModuleDict (in order). torchtitan's ``Module.parallelize`` sets the head's
+    instance forward to its class forward between input and output redistributions, which
+    change nothing under data parallelism (the only layout this adapter accepts)."""
+
+    framework_wraps_head_forward = True
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__(model, head="lm_head", input_embedding="tok_embeddings", blocks="layers")

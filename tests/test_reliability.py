@@ -372,3 +372,38 @@ def test_hf_kill_during_a_save_leaves_the_newest_complete_checkpoint_resumable_w
         assert torch.equal(final["params"][name], value), name
     for key, value in uninterrupted["state"]["agg"].items():
         assert torch.equal(final["state"]["agg"][key], value), key
+
+
+LIGHTNING_KILL_SCRIPT = os.path.join(HERE, "lightning_kill_script.py")
+
+
+@pytest.mark.slow
+def test_lightning_kill_during_a_save_leaves_a_checkpoint_with_its_own_state(tmp_path):
+    """Lightning writes the callback's state inside the checkpoint file, atomically (fsspec
+    transaction), and deletes the previous checkpoint only after: at each point a kill leaves
+    one complete checkpoint whose plugin state belongs to it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    straight = subprocess.run([sys.executable, LIGHTNING_KILL_SCRIPT, str(tmp_path / "straight")], env=env,
+                              timeout=300, capture_output=True, text=True)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    reference = torch.load(tmp_path / "straight" / "final.pt")
+    for point in ("write", "remove", "after-remove"):
+        out = tmp_path / point
+        out.mkdir()
+        proc = subprocess.Popen([sys.executable, LIGHTNING_KILL_SCRIPT, str(out), "--pause-at", point], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.time() + 240
+        while not (out / "paused").exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, f"{point}: the run never reached the pause point"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        resumed = subprocess.run([sys.executable, LIGHTNING_KILL_SCRIPT, str(out), "--resume"], env=env,
+                                 timeout=300, capture_output=True, text=True)
+        assert resumed.returncode == 0, (point, resumed.stderr[-3000:])
+        final = torch.load(out / "final.pt")
+        for name, value in reference["params"].items():
+            assert torch.equal(final["params"][name], value), (point, name)
+        for key, value in reference["state"]["agg"].items():
+            assert torch.equal(final["state"]["agg"][key], value), (point, key)

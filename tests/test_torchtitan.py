@@ -326,6 +326,11 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         # 4 sequences per step as 2 micro-batches of 2: the term must still be added once
         dict(name="cos", config="cpu_aniso", args=cos + ["--training.global_batch_size", "4"], local=2),
         dict(name="none", config="cpu_aniso", args=NO_METRICS + ["--aniso.method", "none"]),
+        # every metric plugin with 2 micro-batches per step
+        dict(name="metrics_ga", config="cpu_aniso", local=2, args=[
+            "--aniso.metrics", "geometry", "frequency", "hidden", "bottleneck", "--aniso.metrics_every", "1",
+            "--training.global_batch_size", "4", "--training.steps", "2",
+        ]),
         dict(name="unfused", config="cpu_aniso", args=AGG + NO_METRICS + ["--aniso.no-agg-fused", "--training.steps", "1"]),
         dict(name="override", config="cpu_stock", args=OVERRIDES + ["--metrics.log_freq", "4"]),
         # resume our own checkpoint (step 2 of "agg"), and a stock one (step 2 of "stock") with AGG on
@@ -335,6 +340,15 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             after=["stock"], prepare=copy("stock", "from_stock"),
         ),
     ])  # fmt: skip
+
+
+@pytest.mark.slow
+def test_every_metric_plugin_under_gradient_accumulation(runs):
+    tb = runs["metrics_ga"]["tb"]
+    for tag in ("aniso/geometry/head/isotropy", "aniso/frequency/rare/isotropy", "aniso/hidden/layer_0/mean_cosine",
+                "aniso/hidden/layer_1/mean_cosine", "aniso/bottleneck/lost_fraction"):
+        assert set(tb[tag]) == {1, 2}, tag
+        assert all(math.isfinite(v) for v in tb[tag].values()), tag
 
 
 # --- the run is stock torchtitan when nothing is on ------------------------------------------------

@@ -64,7 +64,7 @@ class AGGPlugin:
         if bad:
             raise ConfigError(f"special_ids={config.special_ids!r}: ids {bad} are >= the vocabulary size {vocab}")
         head = model.head()
-        check_linear_head(head)
+        check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
         self.model = model
         self.vocab_size = vocab
         self.head = AGGForward(head, ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
