@@ -105,7 +105,7 @@ class TrainingSession:
         self._current: StepInfo | None = None
         self._loss_due = False
         self._eval: TargetChunks | None = None
-        self._pending_state: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+        self._pending_state: tuple[Mapping[str, Mapping[str, torch.Tensor]], str] | None = None  # (state, where)
 
     # --- what the adapter asks ----------------------------------------------------------------
     @property
@@ -220,8 +220,6 @@ class TrainingSession:
         head_calls / loss_normalizer: see `StepInfo` (torchtitan's chunked loss)."""
         if self.run is None:
             raise SetupError("TrainingSession.begin_training(...) must run before the first micro-batch")
-        if self.head_computes_loss and loss_normalizer is None:
-            raise SetupError("agg_fused: the head computes the loss, so begin_micro_batch needs loss_normalizer")
         if self._current is not None and self._current.step != step:
             self._micro_batch = 0
         info = StepInfo(
