@@ -145,6 +145,11 @@ class AnisoConfig:
     """Token representations sampled per layer and measurement for hidden-state anisotropy."""
     bottleneck_every: int | None = None
     """Optimizer steps between gradient-bottleneck probes; None: metrics_every."""
+    report_at_end: bool = False
+    """At the end of training, write the offline report of the trained model's embedding and
+    head (`aniso_plugins.report`: report.json, report.md and the plots; docs/report.md) into
+    ``<output dir>/aniso_report`` (HF: ``args.output_dir``, Lightning: the trainer's
+    ``default_root_dir``), on the main process. Plots need ``aniso-plugins[report]``."""
 
     # --- Plugins and state ------------------------------------------------------------------
     load_entry_points: bool = True

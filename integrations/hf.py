@@ -255,6 +255,10 @@ class AnisoCallback(TrainerCallback):
             extra, self._pending = self._pending, {}
             add_to_record(extra)
 
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.config.report_at_end and state.is_world_process_zero:
+            self.session.write_report(args.output_dir)
+
     def on_epoch_end(self, args, state, control, **kwargs):
         if control.should_save:
             self._save_state(args, state)

@@ -100,6 +100,10 @@ class AnisoCallback(pl.Callback):
         it with ``keep_head=True``, so the same model can be fitted again with a new callback."""
         self.session.detach(keep_head=keep_head)
 
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.config.report_at_end and trainer.is_global_zero:
+            self.session.write_report(trainer.default_root_dir)
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.detach(keep_head=True)

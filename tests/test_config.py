@@ -51,6 +51,7 @@ NON_DEFAULT = dict(
     bottleneck_every=9,
     load_entry_points=False,
     on_state_mismatch="reset",
+    report_at_end=True,
 )
 
 

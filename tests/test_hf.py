@@ -242,3 +242,35 @@ def test_evaluate_reports_group_perplexity_and_uniq(tmp_path):
     groups = [metrics[f"eval_aniso/eval/uniq_{g}"] for g in ("rare", "medium", "frequent")]
     assert sum(groups) == metrics["eval_aniso/eval/uniq"]
     assert "eval_aniso/eval/ppl_rare" in trainer.state.log_history[-1]
+
+
+def test_report_at_end_writes_the_trained_geometry(tmp_path):
+    import json
+
+    import numpy as np
+
+    trainer, _ = make_trainer(tmp_path, AnisoConfig(report_at_end=True, metrics=(), load_entry_points=False), max_steps=2)
+    trainer.train()
+    folder = tmp_path / "aniso_report"
+    report = json.loads((folder / "report.json").read_text())
+    assert (folder / "report.md").exists() and list(folder.glob("*.png"))
+    for png in folder.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the tied matrix's mean cosine, against an explicit pairwise formula in float64
+    w = trainer.model.transformer.wte.weight.detach().double().numpy()
+    u = w / np.linalg.norm(w, axis=1, keepdims=True)
+    c = u @ u.T
+    expected = (c.sum() - np.trace(c)) / (len(w) * (len(w) - 1))
+    found = [v for k, v in _flatten(report) if k.endswith("raw/mean_cosine")]
+    assert found and min(abs(f - expected) for f in found) < 1e-9
+
+
+def _flatten(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, f"{prefix}/{k}" if prefix else str(k))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _flatten(v, f"{prefix}/{i}")
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield prefix, float(tree)

@@ -223,3 +223,29 @@ def test_validation_reports_group_perplexity_and_uniq(tmp_path):
     # the plugins' aniso_log sees the validation metrics too, under the names Lightning logged
     (kind, step, logged), = [entry for entry in observer.logged if entry[0] == "eval"]
     assert step == 3 and logged["val_aniso/eval/ppl"] == pytest.approx(metrics["val_aniso/eval/ppl"], rel=1e-6)
+
+
+def test_report_at_end_writes_the_trained_geometry(tmp_path):
+    import json
+
+    trainer, module, _ = fit(tmp_path, AnisoConfig(report_at_end=True, metrics=(), load_entry_points=False), max_steps=2)
+    folder = tmp_path / "aniso_report"
+    report = json.loads((folder / "report.json").read_text())
+    assert (folder / "report.md").exists() and list(folder.glob("*.png"))
+    # the tied matrix's mean cosine, against an explicit pairwise formula in float64
+    w = module.model.embed.weight.detach().double()
+    u = w / w.norm(dim=1, keepdim=True)
+    c = u @ u.T
+    expected = float((c.sum() - c.diagonal().sum()) / (len(w) * (len(w) - 1)))
+    assert min(abs(v - expected) for v in _numbers(report)) < 1e-9
+
+
+def _numbers(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _numbers(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _numbers(v)
+    elif isinstance(tree, float):
+        yield tree

@@ -1,0 +1,102 @@
+"""Train the tiny MLE and AGG GPT-2s of examples/hf_train.py, save them as Hugging Face model
+directories (with a matching tokenizer), and write one side-by-side `aniso report` of both.
+
+    python examples/report_demo.py                       # -> ./report_demo/{mle,agg,report}
+    python examples/report_demo.py --images docs/images  # also copy two plots for the README
+
+Offline: Python's help text (examples/corpus.py), a word-level tokenizer built from the same
+vocabulary as the example's (`tokenizers` WordLevel), nothing downloaded. The report is then
+the one command (the validation tenth of the corpus as the text):
+
+    aniso report report_demo/mle report_demo/agg --text-file report_demo/valid.txt \\
+        --counts-file report_demo/train.txt --out report_demo/report
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from comparison import METHODS
+from corpus import Blocks, load_text, tokenize
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+from aniso_plugins import AnisoConfig
+from aniso_plugins.integrations.hf import AnisoCallback
+from aniso_plugins.report import analyze
+
+
+def word_tokenizer(vocab: list[str]) -> PreTrainedTokenizerFast:
+    """The HF tokenizer of examples/corpus.tokenize: words and punctuation marks, id by rank."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="isolated")]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def train(method: str, train_ds, vocab: int, a, out: Path) -> None:
+    torch.manual_seed(a.seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=a.block, n_embd=a.d_model, n_layer=a.layers,
+                                       n_head=4, bos_token_id=0, eos_token_id=0))
+    model.loss_type = "ForCausalLM"
+    config = AnisoConfig(**METHODS[method], metrics=("geometry",))
+    args = TrainingArguments(
+        output_dir=str(out / f"{method}_run"), max_steps=a.steps, per_device_train_batch_size=a.batch_size,
+        learning_rate=3e-3, weight_decay=0.01, warmup_steps=a.steps // 10, lr_scheduler_type="cosine",
+        logging_steps=max(1, a.steps // 4), eval_strategy="no", save_strategy="no", report_to="none", use_cpu=True,
+        seed=a.seed, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=train_ds, callbacks=[AnisoCallback(config)])
+    trainer.train()
+    trainer.save_model(str(out / method))  # the callback's detach keeps the trained head
+    shutil.rmtree(out / f"{method}_run", ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="report_demo")
+    p.add_argument("--images", default=None, help="copy spectrum.png and projection.png here (README images)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = load_text(None)
+    ids, vocab = tokenize(text, a.vocab_size)
+    split = int(len(ids) * 0.9)
+    tok = word_tokenizer(vocab)
+    # the validation text: the words of the last tenth, re-joined (the tokenizer gives the same ids)
+    import re
+
+    words = re.findall(r"\w+|[^\w\s]", text)
+    (out / "valid.txt").write_text(" ".join(words[split:]), encoding="utf-8")
+    (out / "train.txt").write_text(" ".join(words[:split]), encoding="utf-8")
+    for method in ("mle", "agg"):
+        train(method, Blocks(ids[:split], a.block), len(vocab), a, out)
+        tok.save_pretrained(out / method)
+    report = analyze([str(out / "mle"), str(out / "agg")], text_file=out / "valid.txt", counts_file=out / "train.txt",
+                     progress=sys.stderr.isatty())
+    paths = report.write(out / "report")
+    print(report.to_markdown())
+    print("wrote", *paths, sep="\n  ")
+    if a.images:
+        images = Path(a.images)
+        images.mkdir(parents=True, exist_ok=True)
+        for name in ("spectrum.png", "projection.png", "layers.png", "norm_frequency.png", "cosines.png"):
+            shutil.copy(out / "report" / name, images / f"report_{name}")
+            print("copied", images / f"report_{name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""`aniso report` end to end: tiny HF models (causal tied / untied, masked LM, bare encoder) and a
+word-level tokenizer trained here on Python's help text, saved with save_pretrained and
+reported by the real CLI in a subprocess; numbers against float64 numpy references written
+out from the formulas (sharing no code with the package)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("matplotlib")
+
+from aniso_plugins import report as report_mod  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MAX_TOKENS = 3000
+
+
+# --- fixtures ---------------------------------------------------------------------------------
+def _text() -> str:
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[k] for k in sorted(topics))[:80_000]
+
+
+def _tokenizer(text: str):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tk = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.train_from_iterator([text], trainers.WordLevelTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zoo")
+    text = _text()
+    (root / "text.txt").write_text(text, encoding="utf-8")
+    tok = _tokenizer(text)
+    v = len(tok)
+    t = transformers
+    torch.manual_seed(0)
+    gpt2 = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=v, n_embd=24, n_layer=2, n_head=2, n_positions=64,
+                                          bos_token_id=0, eos_token_id=0))
+    with torch.no_grad():  # an anisotropic embedding: a common offset
+        gpt2.transformer.wte.weight.add_(0.05)
+    llama = t.LlamaForCausalLM(t.LlamaConfig(
+        vocab_size=v, hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+    bert_cfg = dict(vocab_size=v, hidden_size=24, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                    max_position_embeddings=64)
+    mlm = t.BertForMaskedLM(t.BertConfig(**bert_cfg))
+    enc = t.BertModel(t.BertConfig(**bert_cfg))
+    for name, model, with_tok in (("gpt2", gpt2, True), ("llama", llama, True), ("mlm", mlm, True), ("bert", enc, False)):
+        model.save_pretrained(root / name)
+        if with_tok:
+            tok.save_pretrained(root / name)
+    return root
+
+
+def run_cli(*args, cwd=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "aniso_plugins.cli", "report", *map(str, args)],
+                          capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+# --- float64 references -----------------------------------------------------------------------
+def ref_mean_cosine(w: np.ndarray, center: bool = False) -> float:
+    x = w - w.mean(0) if center else w
+    x = x[np.linalg.norm(x, axis=1) > 0]
+    u = x / np.linalg.norm(x, axis=1, keepdims=True)
+    c = u @ u.T
+    n = len(u)
+    return float((c.sum() - np.trace(c)) / (n * (n - 1)))
+
+
+def ref_effective_rank(w: np.ndarray, center: bool = True) -> float:
+    x = w - w.mean(0) if center else w
+    s = np.linalg.svd(x, compute_uv=False)
+    p = s / s.sum()
+    p = p[p > 0]
+    return float(np.exp(-(p * np.log(p)).sum()))
+
+
+def ref_isotropy(w: np.ndarray, center: bool = False) -> float:
+    x = w - w.mean(0) if center else w
+    _, vec = np.linalg.eigh(x.T @ x)
+    idx = np.abs(vec).argmax(0)
+    vec = vec * np.sign(vec[idx, np.arange(vec.shape[1])])  # largest-magnitude entry positive
+    z = np.array([np.exp(x @ vec[:, k]).sum() for k in range(vec.shape[1])])
+    return float(z.min() / z.max())
+
+
+def ref_groups(counts: np.ndarray) -> np.ndarray:
+    v = len(counts)
+    order = sorted(range(v), key=lambda k: (-counts[k], k))
+    n_rare, n_freq = math.floor(0.2 * v + 0.5), math.floor(0.3 * v + 0.5)
+    g = np.ones(v, dtype=int)
+    g[order[:n_freq]] = 2
+    g[order[v - n_rare:]] = 0
+    return g
+
+
+def assert_geometry(got: dict, w: np.ndarray, rtol=1e-8):
+    assert got["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w), rel=rtol, abs=1e-12)
+    assert got["centered"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w, True), rel=rtol, abs=1e-12)
+    assert got["centered"]["effective_rank"] == pytest.approx(ref_effective_rank(w), rel=rtol)
+    assert got["raw"]["effective_rank"] == pytest.approx(ref_effective_rank(w, False), rel=rtol)
+    assert got["raw"]["isotropy"] == pytest.approx(ref_isotropy(w), rel=rtol)
+    assert got["centered"]["isotropy"] == pytest.approx(ref_isotropy(w, True), rel=rtol)
+    s = np.linalg.svd(w, compute_uv=False)
+    np.testing.assert_allclose(got["spectrum"], s / s[0], rtol=1e-6, atol=1e-12)
+
+
+def assert_pngs(directory: Path, names):
+    import matplotlib.image
+
+    for name in names:
+        path = directory / name
+        assert path.read_bytes()[:8] == PNG, name
+        try:
+            from PIL import Image
+
+            with Image.open(path) as im:
+                im.load()
+                assert im.size[0] > 100 and im.size[1] > 100
+        except ImportError:
+            pass
+        assert matplotlib.image.imread(path).ndim == 3
+
+
+# --- the tests --------------------------------------------------------------------------------
+def test_cli_text_report_two_causal_models_and_an_mlm(zoo, tmp_path):
+    out = tmp_path / "rep"
+    r = run_cli(zoo / "gpt2", zoo / "llama", zoo / "mlm", "--text-file", zoo / "text.txt", "--out", out,
+                "--max-tokens", MAX_TOKENS, "--postprocess", "centering,whitening", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    data = json.loads(r.stdout)
+    assert json.loads((out / "report.json").read_text()) == data
+    gpt2, llama, mlm = data["models"]
+    assert (gpt2["tied"], llama["tied"], mlm["tied"]) == (True, False, True)
+    assert set(gpt2["matrices"]) == {"embedding"} and set(llama["matrices"]) == {"embedding", "head"}
+
+    tok = transformers.AutoTokenizer.from_pretrained(zoo / "gpt2", local_files_only=True)
+    ids = torch.tensor(tok(_text(), add_special_tokens=False)["input_ids"][:MAX_TOKENS])
+    for entry, name in ((gpt2, "gpt2"), (llama, "llama")):
+        model = transformers.AutoModelForCausalLM.from_pretrained(zoo / name, local_files_only=True).eval()
+        w = model.get_input_embeddings().weight.detach().double().numpy()
+        assert_geometry(entry["matrices"]["embedding"], w)
+        if name == "llama":
+            assert_geometry(entry["matrices"]["head"], model.get_output_embeddings().weight.detach().double().numpy())
+        # centring after centring changes nothing; whitening gives a flat spectrum
+        post = entry["matrices"]["embedding"]["postprocessed"]
+        assert post["centering"]["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w, True), rel=1e-6, abs=1e-9)
+        assert post["whitening"]["isoscore"] == pytest.approx(1.0, abs=1e-9)
+
+        # per-group perplexity and Uniq from an explicit loop over the same 64-token blocks
+        text = entry["text"]
+        length = text["sequence_length"]
+        assert length == 64 and text["tokens"] == MAX_TOKENS
+        blocks = ids[: len(ids) // length * length].view(-1, length)
+        with torch.no_grad():
+            logits = model(input_ids=blocks).logits.double().numpy()
+        targets = blocks[:, 1:].numpy()
+        counts = np.bincount(targets.reshape(-1), minlength=w.shape[0])
+        groups = ref_groups(counts)
+        nll = {0: [], 1: [], 2: []}
+        predicted = set()
+        for b in range(blocks.shape[0]):
+            for t in range(length - 1):
+                z, y = logits[b, t], targets[b, t]
+                m = z.max()
+                nll[groups[y]].append(math.log(np.exp(z - m).sum()) + m - z[y])
+                predicted.add(int(z.argmax()))
+        all_nll = sum(nll.values(), [])
+        ev = text["eval"]
+        assert ev["ppl"] == pytest.approx(math.exp(np.mean(all_nll)), rel=1e-5)
+        for gi, g in enumerate(("rare", "medium", "frequent")):
+            ref = math.exp(np.mean(nll[gi])) if nll[gi] else None
+            assert ev[f"ppl_{g}"] == (pytest.approx(ref, rel=1e-5) if ref else None), g
+            assert ev[f"uniq_{g}"] == sum(groups[p] == gi for p in predicted)
+            assert text["group_sizes"][g] == int((groups == gi).sum())
+        assert ev["uniq"] == len(predicted)
+        # hidden-state anisotropy: all 8·63 positions of the first batch are sampled (< 1000)
+        with torch.no_grad():
+            hs = model(input_ids=blocks[:8], output_hidden_states=True).hidden_states
+        h0 = hs[1][:, :-1].reshape(-1, hs[1].shape[-1]).double().numpy()
+        assert len(text["hidden_mean_cosine"]) == 2
+        assert text["hidden_mean_cosine"][0] == pytest.approx(ref_mean_cosine(h0), rel=1e-4)
+        b = text["bottleneck"]
+        assert 0 < b["lost_fraction"] < 1 and b["tokens"] == 8 * 63
+    # the masked LM: no perplexity, but layers and groups
+    assert "eval" not in mlm["text"] and len(mlm["text"]["hidden_mean_cosine"]) >= 2
+    assert all(math.isfinite(x) for x in mlm["text"]["hidden_mean_cosine"])
+
+    assert_pngs(out, ["spectrum.png", "cosines.png", "projection.png", "layers.png", "norm_frequency.png"])
+    md = (out / "report.md").read_text()
+    assert "| metric | gpt2 · embedding | llama · embedding | llama · head | mlm · embedding |" in md
+    assert "## After whitening" in md and "eval ppl_rare" in md
+
+
+def test_cli_safetensors_file_and_streamed_blocks(zoo, tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    emb = torch.randn(700, 16, generator=g, dtype=torch.float64) + 0.3
+    other = torch.randn(30, 16, generator=g)
+    path = tmp_path / "weights.safetensors"
+    save_file({"model.embed_tokens.weight": emb, "layers.0.mlp.weight": other, "norm": torch.ones(16)}, path)
+    r = run_cli(path, "--out", tmp_path / "a", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert list(data["models"][0]["matrices"]) == ["model.embed_tokens.weight"]
+    assert_geometry(data["models"][0]["matrices"]["model.embed_tokens.weight"], emb.numpy(), rtol=1e-10)
+    r = run_cli(path, "--tensor", "layers.0.mlp.weight", "--out", tmp_path / "b", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert_geometry(json.loads(r.stdout)["models"][0]["matrices"]["layers.0.mlp.weight"], other.double().numpy())
+    assert_pngs(tmp_path / "b", ["spectrum.png", "cosines.png", "projection.png"])
+
+    # in-process: many row blocks summed as the ranks are (exactly the one-block numbers)
+    monkeypatch.setattr(report_mod, "BLOCK_ROWS", 64)
+    rep = report_mod.analyze([str(path)], progress=False)
+    assert_geometry(rep.models[0]["matrices"]["model.embed_tokens.weight"], emb.numpy(), rtol=1e-10)
+    # sampled Gram: mean cosines stay exact, the spectrum is an estimate
+    rep = report_mod.analyze([str(path)], progress=False, gram_rows=300)
+    geo = rep.models[0]["matrices"]["model.embed_tokens.weight"]
+    assert geo["gram"].startswith("sampled (300 rows")
+    assert geo["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(emb.numpy()), rel=1e-10)
+    assert geo["centered"]["effective_rank"] == pytest.approx(ref_effective_rank(emb.numpy()), rel=0.05)
+    assert geo["raw"]["isotropy"] == pytest.approx(ref_isotropy(emb.numpy()), rel=0.2)
+
+
+def test_cli_bad_inputs_are_one_line_errors(zoo, tmp_path, capsys):
+    (tmp_path / "noweights").mkdir()
+    shutil.copy(zoo / "gpt2" / "config.json", tmp_path / "noweights" / "config.json")
+    (tmp_path / "corrupt.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    from safetensors.torch import save_file
+
+    save_file({"bias": torch.zeros(8), "scale": torch.ones(8)}, tmp_path / "noemb.safetensors")
+    cases = [
+        ([tmp_path / "missing"], "no such file or directory"),
+        ([tmp_path / "noweights"], "no weights"),
+        ([tmp_path / "corrupt.safetensors"], "cannot read safetensors file"),
+        ([tmp_path / "noemb.safetensors"], "no embedding-like 2-D tensor"),
+        ([tmp_path / "noemb.safetensors", "--tensor", "nothere"], "has no tensor 'nothere'"),
+        ([zoo / "bert", "--text-file", zoo / "text.txt"], "needs a tokenizer"),
+        ([zoo / "gpt2", "--text-file", tmp_path / "nothere.txt"], "cannot read the text file"),
+        ([zoo / "gpt2", "--postprocess", "sharpening"], "unknown post-processing 'sharpening'"),
+    ]
+    # three in subprocesses of the real CLI (all at once: each is mostly interpreter start-up) ...
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    sub = [cases[0], cases[2], cases[5]]
+    exe = shutil.which("aniso")  # the console script, when installed
+    commands = [[exe] if exe and i == 0 else [sys.executable, "-m", "aniso_plugins.cli"] for i in range(len(sub))]
+    procs = [
+        subprocess.Popen([*command, "report", *map(str, args), "--out", str(tmp_path / "o"), "--quiet"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for command, (args, _) in zip(commands, sub)
+    ]
+    results = []
+    for (args, message), p in zip(sub, procs):
+        _, stderr = p.communicate(timeout=300)
+        results.append((args, message, p.returncode, stderr))
+    # ... the others through the same entry point in this process
+    from aniso_plugins import cli
+
+    for args, message in cases:
+        if (args, message) in sub:
+            continue
+        code = cli.main(["report", *map(str, args), "--out", str(tmp_path / "o"), "--quiet"])
+        results.append((args, message, code, capsys.readouterr().err))
+    for args, message, code, stderr in results:
+        assert code == 2, (args, code, stderr)
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("aniso report: error: ") and message in lines[0], (args, stderr)
+
+
+def test_write_report_in_memory_model_and_encoder(zoo, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_pretrained(zoo / "llama", local_files_only=True)
+    tok = transformers.AutoTokenizer.from_pretrained(zoo / "llama", local_files_only=True)
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    paths = report_mod.write_report(model, tmp_path / "final", text=_text()[:20_000], tokenizer=tok, max_tokens=800)
+    assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    names = {Path(p).name for p in paths}
+    assert {"report.json", "report.md", "spectrum.png", "layers.png", "norm_frequency.png"} <= names
+    data = json.loads((tmp_path / "final" / "report.json").read_text())
+    assert data["models"][0]["kind"] == "causal-lm" and "head" in data["models"][0]["matrices"]
+    # a bare encoder without a tokenizer: the embedding only
+    rep = report_mod.analyze([str(zoo / "bert")], progress=False)
+    w = transformers.AutoModel.from_pretrained(zoo / "bert", local_files_only=True).get_input_embeddings().weight
+    assert_geometry(rep.models[0]["matrices"]["embedding"], w.detach().double().numpy())
+
+
+def test_counts_file_defines_the_groups(zoo, tmp_path):
+    count_text = "the the the the of of a " * 50
+    (tmp_path / "counts.txt").write_text(count_text)
+    rep = report_mod.analyze([str(zoo / "gpt2")], text_file=zoo / "text.txt", counts_file=tmp_path / "counts.txt",
+                             max_tokens=600, progress=False)
+    text = rep.models[0]["text"]
+    tok = transformers.AutoTokenizer.from_pretrained(zoo / "gpt2", local_files_only=True)
+    ids = torch.tensor(tok(count_text, add_special_tokens=False)["input_ids"])
+    blocks = ids[: len(ids) // 64 * 64].view(-1, 64)  # the causal targets of its 64-token blocks
+    counts = np.bincount(blocks[:, 1:].reshape(-1).numpy(), minlength=len(tok))
+    groups = ref_groups(counts)
+    assert text["groups_from"] == "counts_text" and text["counted_targets"] == blocks.shape[0] * 63
+    assert torch.equal(text["_groups"], torch.from_numpy(groups))
+    with pytest.raises(report_mod.ReportError, match="needs --text-file"):
+        report_mod.analyze([str(zoo / "gpt2")], counts_file=tmp_path / "counts.txt", progress=False)
