@@ -502,7 +502,35 @@ class Centering(Transform):
         return self._require_fitted()["mean"]
 
 
-class Whitening(Transform):
+class _PrincipalDirections(Transform):
+    """State shared by the transforms built on principal directions of the fit data: the mean
+    μ, the directions U (d, k) float64 by decreasing variance, and their variances s
+    (covariance eigenvalues, 1/(n − 1) normalised)."""
+
+    _positive_variances: ClassVar[bool] = True
+
+    def _check_state(self, state, dim):
+        u, s = state["components"], state["variances"]
+        shapes = state["mean"].shape == (dim,) and u.dim() == 2 and u.shape[0] == dim and s.shape == (u.shape[1],)
+        if not shapes or (self._positive_variances and not bool((s > 0).all())):
+            raise ValueError(f"mean ({dim},), components ({dim}, k) and variances (k,) expected (positive: whitening)")
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self._require_fitted()["mean"]
+
+    @property
+    def components(self) -> torch.Tensor:
+        """U of the directions, (d, k) float64, columns by decreasing variance."""
+        return self._require_fitted()["components"]
+
+    @property
+    def variances(self) -> torch.Tensor:
+        """s of the directions (covariance eigenvalues, 1/(n − 1) normalised)."""
+        return self._require_fitted()["variances"]
+
+
+class Whitening(_PrincipalDirections):
     """BERT-whitening (Su et al. 2021, arXiv 2103.15316; seed 000; docs/methods.md §5.1):
 
         Σ = (1/(n − 1)) Σ_i (x_i − μ)(x_i − μ)ᵀ = U diag(s) Uᵀ    (s descending; np.cov)
@@ -567,28 +595,9 @@ class Whitening(Transform):
         back = (u * s.sqrt()).T
         return (u @ back if self.zca else back), st["mean"]
 
-    def _check_state(self, state, dim):
-        u, s = state["components"], state["variances"]
-        if (state["mean"].shape != (dim,) or u.dim() != 2 or u.shape[0] != dim or s.shape != (u.shape[1],)
-                or not bool((s > 0).all())):
-            raise ValueError(f"mean ({dim},), components ({dim}, k) and positive variances (k,) expected")
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return self._require_fitted()["mean"]
-
-    @property
-    def components(self) -> torch.Tensor:
-        """U of the kept directions, (d, k) float64, columns by decreasing variance."""
-        return self._require_fitted()["components"]
-
-    @property
-    def variances(self) -> torch.Tensor:
-        """s of the kept directions (covariance eigenvalues, 1/(n − 1) normalised)."""
-        return self._require_fitted()["variances"]
 
 
-class AllButTheTop(Transform):
+class AllButTheTop(_PrincipalDirections):
     """All-but-the-top (Mu & Viswanath 2018, ICLR; docs/methods.md §5.1): remove the mean and
     the top D principal directions u_1..u_D of the centred fit rows,
 
@@ -639,29 +648,12 @@ class AllButTheTop(Transform):
             f"{' and the mean' if self.project == 'centered' else ''}, which cannot be recovered from the output"
         )
 
-    def _check_state(self, state, dim):
-        u, s = state["components"], state["variances"]
-        if state["mean"].shape != (dim,) or u.dim() != 2 or u.shape[0] != dim or s.shape != (u.shape[1],):
-            raise ValueError(f"mean ({dim},), components ({dim}, D) and variances (D,) expected")
+    _positive_variances = False
 
     @property
     def directions(self) -> int:
         """The D used (the default resolved at fit)."""
         return self._require_fitted()["components"].shape[1]
-
-    @property
-    def mean(self) -> torch.Tensor:
-        return self._require_fitted()["mean"]
-
-    @property
-    def components(self) -> torch.Tensor:
-        """u_1..u_D, (d, D) float64."""
-        return self._require_fitted()["components"]
-
-    @property
-    def variances(self) -> torch.Tensor:
-        """The variances s_1..s_D removed (covariance eigenvalues, 1/(n − 1) normalised)."""
-        return self._require_fitted()["variances"]
 
 
 def hadamard(n: int) -> torch.Tensor:
