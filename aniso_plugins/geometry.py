@@ -133,6 +133,10 @@ def cross_cosine_finish(reduced: Mapping[str, torch.Tensor], prefix_a: str, pref
 
 
 # --- singular spectrum -----------------------------------------------------------------------
+SV_QUANTILES = (0.25, 0.5, 0.75)
+"""Where `Spectrum.summary` reads the normalized singular values: the quarter points of k."""
+
+
 @dataclass(frozen=True)
 class Spectrum:
     """Spectrum of W (center=False) or W − 1μᵀ (center=True), from the reduced d×d Gram.
@@ -213,6 +217,26 @@ class Spectrum:
             raise ValueError(f"rank={rank!r}: expected an integer >= 0")
         lam = self.eigenvalues
         return math.sqrt(float(lam[rank:].sum() / lam.sum()))
+
+    def summary(self) -> dict[str, float]:
+        """The scalar summaries of this spectrum that the geometry plugin and `aniso report`
+        log: ``effective_rank`` / ``effective_rank_sigma2``, ``singular_entropy`` /
+        ``singular_entropy_sigma2``, ``sigma_max``, ``sv_normalized_q25|q50|q75`` (σ_i/σ_max at a
+        quarter, half and three quarters of the way down the k singular values) and
+        ``variance_share_top1|top3``."""
+        normalized = self.normalized()
+        out = {
+            "effective_rank": self.effective_rank("sigma"),
+            "effective_rank_sigma2": self.effective_rank("sigma2"),
+            "singular_entropy": self.singular_entropy("sigma"),
+            "singular_entropy_sigma2": self.singular_entropy("sigma2"),
+            "sigma_max": float(self.singular_values[0]),
+            "variance_share_top1": self.variance_share(1),
+            "variance_share_top3": self.variance_share(min(3, self.eigenvalues.numel())),
+        }
+        for q in SV_QUANTILES:
+            out[f"sv_normalized_q{round(100 * q)}"] = float(normalized[int(q * (normalized.numel() - 1))])
+        return out
 
 
 # --- isotropy I(W) ---------------------------------------------------------------------------

@@ -59,7 +59,6 @@ HIST_ROWS = 2000
 HIST_BINS = 100
 PROJECTION_POINTS = 20000
 """Points drawn in the 2-D projection plot (all rows are projected; at most this many drawn)."""
-QUANTILES = (0.25, 0.5, 0.75)
 _EMBEDDING_NAME = re.compile(r"(embed|wte|word_embeddings|lm_head|tok_embeddings|(^|\.)output\.weight$|decoder\.weight$)")
 
 
@@ -154,21 +153,7 @@ def _gram_f32(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _spectrum_metrics(spec: Spectrum) -> dict[str, float]:
-    k = spec.size
-    normalized = spec.normalized()
-    out = {
-        "effective_rank": spec.effective_rank("sigma"),
-        "effective_rank_sigma2": spec.effective_rank("sigma2"),
-        "singular_entropy": spec.singular_entropy("sigma"),
-        "singular_entropy_sigma2": spec.singular_entropy("sigma2"),
-        "sigma_max": float(spec.singular_values[0]),
-        "variance_share_top1": spec.variance_share(1),
-        "variance_share_top3": spec.variance_share(min(3, spec.eigenvalues.numel())),
-        "w_error_half_rank": spec.w_error(k // 2),
-    }
-    for q in QUANTILES:
-        out[f"sv_normalized_q{round(100 * q)}"] = float(normalized[int(q * (normalized.numel() - 1))])
-    return out
+    return {**spec.summary(), "w_error_half_rank": spec.w_error(spec.size // 2)}
 
 
 def _histogram(x: torch.Tensor, mean: torch.Tensor | None) -> dict[str, list[float]]:

@@ -44,7 +44,6 @@ from ..model import ModelHandle
 from ..reduce import Stat
 from ..steps import StepInfo
 
-QUANTILES = (0.25, 0.5, 0.75)
 
 
 class GeometryPlugin:
@@ -123,15 +122,11 @@ class GeometryPlugin:
             out[p + "mean_cosine_centered"] = mean_cosine_finish(reduced, p + "centered/")
             out[p + "isotropy"] = isotropy_finish(reduced, p + "raw/")
             out[p + "isotropy_centered"] = isotropy_finish(reduced, p + "centered/")
-            out[p + "effective_rank"] = centered.effective_rank("sigma")
-            out[p + "effective_rank_sigma2"] = centered.effective_rank("sigma2")
-            out[p + "singular_entropy"] = raw.singular_entropy("sigma")
-            normalized = raw.normalized()
-            out[p + "sigma_max"] = float(raw.singular_values[0])
-            for q in QUANTILES:
-                out[f"{p}sv_normalized_q{round(100 * q)}"] = float(normalized[int(q * (normalized.numel() - 1))])
-            out[p + "variance_share_top1"] = centered.variance_share(1)
-            out[p + "variance_share_top3"] = centered.variance_share(3)
+            r, c = raw.summary(), centered.summary()
+            for key in ("effective_rank", "effective_rank_sigma2", "variance_share_top1", "variance_share_top3"):
+                out[p + key] = c[key]  # of W − 1μᵀ
+            for key in ("singular_entropy", "sigma_max", "sv_normalized_q25", "sv_normalized_q50", "sv_normalized_q75"):
+                out[p + key] = r[key]  # of the raw W
             out[p + "isoscore"] = isoscore_from_variances(centered.eigenvalues)
         self._spectra.clear()
         return out
