@@ -106,7 +106,7 @@ class AnisoPlugins:
         for terms in self.pm.hook.aniso_loss_terms(step=step):
             for name, term in (terms or {}).items():
                 if name in values:
-                    raise ValueError(f"two plugins returned a loss term named {name!r}")
+                    raise ConfigError(f"two plugins returned a loss term named {name!r}: give one of them another name")
                 values[name] = float(term.detach())
                 total = term if total is None else total + term
         self.last_loss_terms = values
@@ -132,7 +132,7 @@ class AnisoPlugins:
             for part in self.pm.hook.aniso_metric_stats(step=step, kind=kind, round_index=round_index, reduced=reduced):
                 for name, stat in (part or {}).items():
                     if name in stats or name in reduced:
-                        raise ValueError(f"two metric statistics are named {name!r}")
+                        raise ConfigError(f"two metric statistics are named {name!r}: prefix them with the plugin's name")
                     stats[name] = stat
             if not stats:
                 break
@@ -158,7 +158,7 @@ class AnisoPlugins:
         for part in self.pm.hook.aniso_state_dict():
             for namespace, entries in (part or {}).items():
                 if namespace in state:
-                    raise ValueError(f"two plugins saved state under {namespace!r}")
+                    raise ConfigError(f"two plugins saved state under {namespace!r}: each plugin uses its own namespace")
                 state[namespace] = dict(entries)
         return state
 

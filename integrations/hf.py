@@ -94,7 +94,7 @@ class AnisoCallback(TrainerCallback):
         if self.trainer is trainer:
             return self
         if self.trainer is not None:
-            raise RuntimeError("this AnisoCallback is already attached to another Trainer")
+            raise SetupError("this AnisoCallback is already attached to another Trainer: detach() it first, or make a new one")
         if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != "none":
             raise SetupError(
                 "TrainingArguments(use_liger_kernel=True) computes the loss from lm_head.weight directly and "

@@ -276,3 +276,17 @@ def test_state_round_trip_and_refusals(tmp_path):
     save_file({"x": torch.zeros(1)}, tmp_path / "v9.safetensors", metadata={"format": "aniso_plugins.state", "version": "9"})
     with pytest.raises(StateError, match="format version 9"):
         AnisoPlugins(cfg, plugins=[Counter()]).load(tmp_path / "v9.safetensors")
+
+
+def test_plugins_that_collide_are_named():
+    class Term:
+        def __init__(self, name):
+            self.name = name
+
+        @hookimpl
+        def aniso_loss_terms(self, step):
+            return {"l2": torch.zeros((), requires_grad=True)}
+
+    plugins = AnisoPlugins(AnisoConfig(metrics=(), load_entry_points=False), plugins=[Term("a"), Term("b")])
+    with pytest.raises(ConfigError, match="two plugins returned a loss term named 'l2'"):
+        plugins.loss_terms(StepInfo(step=1))
