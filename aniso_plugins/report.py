@@ -49,6 +49,7 @@ from .geometry import (
     moments,
 )
 from .isoscore import isoscore_from_variances
+from .model import ModelHandle, OutputEmbeddingsHandle
 from .reduce import Stat
 
 FORMAT_VERSION = 1
@@ -564,27 +565,20 @@ def text_blocks(ids: torch.Tensor, length: int) -> torch.Tensor:
     return ids[: len(ids) // length * length].view(-1, length)
 
 
-class _EmbeddingAsHead:
+class _EncoderHandle(ModelHandle):
     """A `ModelHandle` for an encoder without an LM head: the input embedding plays the head
     (the frequency-group geometry reads its rows) and the blocks are found as in
     `OutputEmbeddingsHandle`."""
 
-    @staticmethod
-    def make(model: nn.Module):
-        from .model import ModelHandle
+    def head(self) -> nn.Module:
+        return self.model.get_input_embeddings()
 
-        class Handle(ModelHandle):
-            def head(self) -> nn.Module:
-                return self.model.get_input_embeddings()
+    def input_embedding(self) -> nn.Module | None:
+        return None
 
-            def input_embedding(self):
-                return None
-
-            def blocks(self):
-                names = set(getattr(self.model, "_no_split_modules", None) or ())
-                return [m for m in self.model.modules() if type(m).__name__ in names]
-
-        return Handle(model)
+    def blocks(self) -> list[nn.Module]:
+        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        return [m for m in self.model.modules() if type(m).__name__ in names]
 
 
 def text_pass(loaded: LoadedModel, ids: torch.Tensor, *, batch_size: int = 8, hidden_samples: int = 1000,
@@ -594,7 +588,6 @@ def text_pass(loaded: LoadedModel, ids: torch.Tensor, *, batch_size: int = 8, hi
     gradient-bottleneck probe on the first batch (one backward in eval mode). `count_ids`: the
     tokens whose counts define the groups instead (e.g. the training text)."""
     from .config import AnisoConfig
-    from .model import OutputEmbeddingsHandle
     from .plugins import AnisoPlugins
     from .session import causal_targets
     from .steps import StepInfo
@@ -608,7 +601,7 @@ def text_pass(loaded: LoadedModel, ids: torch.Tensor, *, batch_size: int = 8, hi
     if causal or loaded.kind == "masked-lm":
         handle = OutputEmbeddingsHandle(model)
     else:
-        handle = _EmbeddingAsHead.make(model)
+        handle = _EncoderHandle(model)
     length = sequence_length(model)
     blocks = text_blocks(ids, length)
     device = next(model.parameters()).device
