@@ -11,6 +11,17 @@ METHODS: dict[str, dict] = {
     "lowrank": dict(head="lowrank", lowrank_rank=16),
 }
 
+def add_run_arguments(parser) -> None:
+    """The flags every example shares: corpus vocabulary, sequence length, steps, batch, model size, seed."""
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--block", type=int, default=64, help="tokens per training sequence")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+
+
 # (label, metric name, measured on the validation set?)
 TABLE = [
     ("validation perplexity", "aniso/eval/ppl", True),

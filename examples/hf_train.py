@@ -16,7 +16,7 @@ import argparse
 import tempfile
 
 import torch
-from comparison import METHODS, print_table
+from comparison import METHODS, add_run_arguments, print_table
 from corpus import train_valid
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -28,14 +28,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=sorted(METHODS), default="agg")
     p.add_argument("--text-file", default=None, help="train on this UTF-8 text instead of Python's help topics")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--block", type=int, default=64, help="tokens per training sequence")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    add_run_arguments(p)
     p.add_argument("--output-dir", default=None)
-    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
     torch.manual_seed(a.seed)

@@ -15,7 +15,7 @@ import argparse
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from comparison import METHODS, print_table
+from comparison import METHODS, add_run_arguments, print_table
 from corpus import train_valid
 from torch import nn
 
@@ -74,13 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", choices=sorted(METHODS), default="agg")
     p.add_argument("--text-file", default=None)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_run_arguments(p)
     a = p.parse_args(argv)
 
     pl.seed_everything(a.seed, verbose=False)

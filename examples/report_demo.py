@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-from comparison import METHODS
+from comparison import METHODS, add_run_arguments
 from corpus import Blocks, load_text, tokenize
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
@@ -62,13 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="report_demo")
     p.add_argument("--images", default=None, help="copy spectrum.png and projection.png here (README images)")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--block", type=int, default=64)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    add_run_arguments(p)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
