@@ -21,7 +21,7 @@ import json
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Union
 
 from . import registry
 from .errors import AnisoError, ConfigError
@@ -32,6 +32,12 @@ METRICS: tuple[str, ...] = tuple(registry.METRICS)
 AGG_PARTS = ("a", "b", "c")
 SPECTRUM_PRIORS = ("poly", "exp", "ratio")
 STATE_MISMATCH = ("error", "reset")
+SIMCSE_POOLING = ("cls", "mean")
+UNIFORMITY_ON = ("head", "hidden")
+HEAD_REGULARIZERS = ("cosreg", "hinge", "spectrum")
+"""Methods that share ``reg_weight`` (one of them per configuration)."""
+ENCODER_METHODS = ("simcse",)
+CAUSAL_LM_METHODS = ("agg", "simctg")
 
 
 # Sequence fields are annotated ``list[X]``: transformers' HfArgumentParser turns only list
@@ -42,10 +48,14 @@ try:
     import tyro as _tyro
 except ImportError:  # no torchtitan extra: plain lists
     IntList, StrList, FloatList = list[int], list[str], list[float]
+    MethodList = Union[list[str], str]
 else:
     IntList = Annotated[list[int], _tyro.conf.arg(constructor=tuple[int, ...])]
     StrList = Annotated[list[str], _tyro.conf.arg(constructor=tuple[str, ...])]
     FloatList = Annotated[list[float], _tyro.conf.arg(constructor=tuple[float, ...])]
+    MethodList = Annotated[Union[list[str], str], _tyro.conf.arg(constructor=tuple[str, ...])]
+# ``method`` also takes one name where a parser reads types (a YAML ``method: agg`` of a
+# LightningCLI config stays valid); HfArgumentParser drops the ``str`` and reads a list.
 
 
 def _default(*values: Any) -> Any:
@@ -55,11 +65,14 @@ def _default(*values: Any) -> Any:
 
 # Sequence fields and their element types (stored as tuples; see _sequence).
 _SEQUENCES: dict[str, type] = {
+    "method": str,
     "special_ids": int,
     "reg_exclude_ids": int,
     "agg_parts": str,
     "metrics": str,
     "group_fractions": float,
+    "uniformity_on": str,
+    "update_efficiency_eps": float,
 }
 
 
@@ -67,18 +80,23 @@ _SEQUENCES: dict[str, type] = {
 class AnisoConfig:
     """What to run. Defaults measure geometry and change nothing about training.
 
-    Training method (one of them at a time, compared by switching this field):
+    Training methods (one or several, each with its own weight field):
         method: "none" (MLE), "agg" (Yu et al. 2022), "cosreg" (Gao et al. 2019),
-            "hinge" (pairwise cosine hinge), "spectrum" (Wang et al. 2020).
+            "hinge" (pairwise cosine hinge), "spectrum" (Wang et al. 2020), "simctg" (Su et
+            al. 2022), "uniformity" (Wang & Isola 2020), "simcse" (Gao, Yao & Chen 2021).
+            ``method="agg"`` and ``method=("agg", "simctg")`` both work; `uses` asks for one.
         head: "keep", "untie" (independent output matrix) or "lowrank" (W = A·B).
         ignore_index: target value that marks positions without a loss.
 
-    Frozen: change a copy with `replace`. Sequence fields (special_ids, reg_exclude_ids,
-    agg_parts, metrics, group_fractions) accept any sequence (or a "a,b c" string) and are
-    stored as tuples.
+    Frozen: change a copy with `replace`. Sequence fields (method, special_ids,
+    reg_exclude_ids, agg_parts, metrics, group_fractions, uniformity_on,
+    update_efficiency_eps) accept any sequence (or a "a,b c" string) and are stored as tuples.
     """
 
-    method: str = "none"
+    method: MethodList = _default("none")
+    """Training methods, any of METHODS ("none" alone means plain MLE). Combinations that
+    cannot work raise `ConfigError`: two head regularizers (they share ``reg_weight``), and
+    "simcse" (sentence encoders) with the causal-LM methods "agg" or "simctg"."""
     head: str = "keep"
     ignore_index: int = -100
 
@@ -128,6 +146,32 @@ class AnisoConfig:
     spectrum_c2: float = 0.01
     spectrum_gamma: float = 0.75
 
+    # --- Contrastive methods (docs/methods.md §12-14) -----------------------------------------
+    simctg_weight: float = 1.0
+    """Weight of the SimCTG token contrastive loss (Su et al. 2022: 1, added to the MLE loss)."""
+    simctg_margin: float = 0.5
+    """ρ of SimCTG: pairs of positions with s(h_i,h_i) − s(h_i,h_j) < ρ are penalized (paper: 0.5)."""
+    simctg_block: int = 512
+    """Query positions per block of the SimCTG loss (memory O(B·T·block))."""
+    uniformity_weight: float = 1.0
+    """Weight of the uniformity regularizer (Wang & Isola 2020)."""
+    uniformity_t: float = 2.0
+    """t of L_uniform = log E exp(−t‖x̂_i − x̂_j‖²) (paper: 2)."""
+    uniformity_on: StrList = _default("head")
+    """What the uniformity regularizer spreads: "head" (the LM head rows), "hidden" (the head's
+    input of each micro-batch), or both."""
+    uniformity_sample: int | None = None
+    """Head rows sampled per step for the uniformity regularizer (unbiased pair mean); None:
+    exact, blockwise over all rows."""
+    uniformity_block: int = 1024
+    """Rows per block of the exact uniformity regularizer and metric (memory O(block·V))."""
+    simcse_weight: float = 1.0
+    """Weight of the SimCSE InfoNCE loss (the whole loss when the batch has no labels)."""
+    simcse_temperature: float = 0.05
+    """τ of SimCSE's InfoNCE (paper: 0.05)."""
+    simcse_pooling: str = "cls"
+    """Sentence representation: "cls" (first position) or "mean" (mean over non-padding positions)."""
+
     # --- Heads (seed 001) -------------------------------------------------------------------
     lowrank_rank: int | None = None
     """Rank r < d of the low-rank head W = A·B."""
@@ -145,6 +189,17 @@ class AnisoConfig:
     """Token representations sampled per layer and measurement for hidden-state anisotropy."""
     bottleneck_every: int | None = None
     """Optimizer steps between gradient-bottleneck probes; None: metrics_every."""
+    update_efficiency: bool = False
+    """With the "bottleneck" metric: also measure the update efficiency through the head on
+    each probed micro-batch (docs/methods.md §9.5; costs O(k·V·d) for k positions)."""
+    update_efficiency_eps: FloatList = _default(0.001, 0.01, 0.1)
+    """Logit-update budgets ε, as fractions of ‖Z‖_F, of the update-efficiency probe."""
+    update_efficiency_positions: int = 256
+    """Positions per rank the update-efficiency probe keeps (k rows of logits and gradients)."""
+    uniformity_rows: int = 4096
+    """Head rows sampled (identically on every rank) for the "uniformity" metric."""
+    ethayarajh_words: int = 256
+    """Most frequent repeated tokens of the measured micro-batch kept for SelfSim ("ethayarajh")."""
     report_at_end: bool = False
     """At the end of training, write the offline report of the trained model's embedding and
     head (`aniso_plugins.report`: report.json, report.md and the plots; docs/report.md) into
@@ -163,7 +218,14 @@ class AnisoConfig:
     def __post_init__(self) -> None:
         for name, kind in _SEQUENCES.items():  # frozen: normalize through object.__setattr__
             object.__setattr__(self, name, _sequence(name, getattr(self, name), kind))
-        _choice("method", self.method, METHODS)
+        for m in self.method:
+            _choice("method", m, METHODS)
+        _unique("method", self.method)
+        _method_combination(self.method)
+        for u in self.uniformity_on:
+            _choice("uniformity_on", u, UNIFORMITY_ON)
+        _unique("uniformity_on", self.uniformity_on)
+        _choice("simcse_pooling", self.simcse_pooling, SIMCSE_POOLING)
         _choice("head", self.head, HEADS)
         _choice("spectrum_prior", self.spectrum_prior, SPECTRUM_PRIORS)
         _choice("lowrank_init", self.lowrank_init, ("svd", "random"))
@@ -186,6 +248,25 @@ class AnisoConfig:
             _range("spectrum_c1", self.spectrum_c1, 0.0, math.inf, "a number > 0", low_open=True)
         _range("spectrum_c2", self.spectrum_c2, 0.0, math.inf, "a number >= 0")
         _range("spectrum_gamma", self.spectrum_gamma, 0.0, math.inf, "a number > 0", low_open=True)
+        for name in ("simctg_weight", "uniformity_weight", "simcse_weight"):
+            _range(name, getattr(self, name), 0.0, math.inf, "a number >= 0")
+        _range("simctg_margin", self.simctg_margin, 0.0, 2.0, "a number in [0, 2] (cosines differ by at most 2)")
+        _range("uniformity_t", self.uniformity_t, 0.0, math.inf, "a number > 0", low_open=True)
+        _range("simcse_temperature", self.simcse_temperature, 0.0, math.inf, "a number > 0", low_open=True)
+        _positive_int("simctg_block", self.simctg_block)
+        _positive_int("uniformity_block", self.uniformity_block)
+        _positive_or_none("uniformity_sample", self.uniformity_sample)
+        if self.uniformity_sample is not None:
+            _positive_int("uniformity_sample", self.uniformity_sample, minimum=2)
+        if not self.uniformity_on:
+            raise ConfigError('uniformity_on=(): expected "head", "hidden" or both')
+        _positive_int("uniformity_rows", self.uniformity_rows, minimum=2)
+        _positive_int("ethayarajh_words", self.ethayarajh_words)
+        _positive_int("update_efficiency_positions", self.update_efficiency_positions)
+        if not self.update_efficiency_eps or any(not (0 < e <= 1) for e in self.update_efficiency_eps):
+            raise ConfigError(
+                f"update_efficiency_eps={self.update_efficiency_eps!r}: expected one or more fractions of ‖Z‖ in (0, 1]"
+            )
         _positive_or_none("lowrank_rank", self.lowrank_rank)
         if self.head == "lowrank" and self.lowrank_rank is None:
             raise ConfigError("lowrank_rank=None: head='lowrank' needs an integer rank >= 1 (and < d)")
@@ -200,6 +281,10 @@ class AnisoConfig:
             )
         if any(i < 0 for i in self.special_ids + self.reg_exclude_ids):
             raise ConfigError("special_ids / reg_exclude_ids: token ids must be >= 0")
+
+    def uses(self, method: str) -> bool:
+        """Whether `method` (a name of METHODS) is among the configured training methods."""
+        return method in self.method
 
     def replace(self, **changes: Any) -> AnisoConfig:
         """A copy with `changes` applied, validated like a new configuration; unknown field
@@ -252,6 +337,27 @@ def _element(v: Any, kind: type) -> Any:
     if isinstance(v, str):
         return kind(v)
     return operator.index(v) if kind is int else float(v)  # index: ints, numpy / torch integers
+
+
+def _method_combination(methods: tuple[str, ...]) -> None:
+    """Refuse method lists that cannot work together (see the ``method`` field)."""
+    if not methods:
+        raise ConfigError('method=(): name at least one method ("none" for plain MLE)')
+    if "none" in methods and len(methods) > 1:
+        raise ConfigError(f"method={methods!r}: 'none' (plain MLE) cannot be combined with other methods; drop it")
+    regs = [m for m in methods if m in HEAD_REGULARIZERS]
+    if len(regs) > 1:
+        raise ConfigError(
+            f"method={methods!r}: {' and '.join(regs)} both regularize the head rows with the one weight "
+            "reg_weight; choose one of them"
+        )
+    encoder = [m for m in methods if m in ENCODER_METHODS]
+    causal = [m for m in methods if m in CAUSAL_LM_METHODS]
+    if encoder and causal:
+        raise ConfigError(
+            f"method={methods!r}: {encoder[0]} trains sentence encoders (masked LMs, in-batch sentence pairs) "
+            f"and {causal[0]} is for causal-LM training; run them separately"
+        )
 
 
 def _unique(name: str, values: tuple) -> None:

@@ -13,7 +13,8 @@ Order of events (docs/design.md walks through each adapter)::
 
     aniso_make_plugins -> aniso_setup -> aniso_begin_training [-> aniso_load_state_dict]
     per optimizer step with A micro-batches:
-        aniso_targets(m=0) forward/backward ... aniso_targets(m=A-1) [aniso_loss_terms] forward/backward
+        aniso_targets(m=0) forward [aniso_activation_loss_terms] backward ...
+        aniso_targets(m=A-1) forward [aniso_activation_loss_terms] [aniso_loss_terms] backward
         (gradient clipping, optimizer step) aniso_step_end
         at measurement steps: aniso_metric_stats(round 0, 1, ...) -> aniso_metrics -> aniso_log
     evaluation: aniso_eval_batch per batch, then aniso_metric_stats / aniso_metrics / aniso_log (kind "eval")
@@ -94,6 +95,36 @@ def aniso_loss_terms(step: StepInfo) -> dict[str, torch.Tensor] | None:
     optimizer step, before gradient clipping, with the same value on every rank (each term
     must therefore be the global value, identical across ranks). Values are logged as
     ``aniso/loss/<name>``."""
+
+
+@hookspec
+def aniso_activation_loss_terms(
+    hidden: torch.Tensor, targets: torch.Tensor, step: StepInfo
+) -> dict[str, torch.Tensor] | None:
+    """Return loss terms that depend on this training micro-batch's activations, name ->
+    differentiable scalar (SimCTG, uniformity of hidden states, SimCSE).
+
+    `hidden` is the LM head's input for the micro-batch, ``(..., T, d)``, in the autograd graph
+    (a term's gradient flows back through the model; the head's own gradient path is not
+    touched, so probes on the head see only the head's contribution); `targets` are the aligned
+    targets ``(..., T)`` (``config.ignore_index`` at positions without a loss, padding included);
+    ``step.input_ids`` / ``step.attention_mask`` carry the batch's inputs when the adapter has
+    them. A plugin that reads other activations (a block's output, through its own forward hook
+    registered in `aniso_setup`) may ignore `hidden` and return its term here: the call comes
+    after the whole model but the head has run.
+
+    Called on every training micro-batch (each has its own activations), on every rank, once,
+    inside the forward: in the LM head's forward hook, or, where the adapter calls the head on
+    chunks of the micro-batch (torchtitan), on the whole micro-batch before its loss.
+
+    **Shares.** Each rank returns its share of the term: the parameters receive the gradient
+    of the **sum of the shares over the ranks and the micro-batches** of the optimizer step,
+    whatever the trainer's averaging (the core rescales). A term defined as a mean over the
+    step's global batch therefore divides its local sum by the global count, which it can
+    all-reduce in `aniso_targets` (collective-safe), and a term defined per micro-batch
+    divides by ``step.accumulation_steps``. Return the same names on every rank (a zero share
+    when a rank has nothing). The values logged as ``aniso/loss/<name>`` are the sums of the
+    shares over ranks and micro-batches of the measured step."""
 
 
 @hookspec

@@ -28,6 +28,7 @@ logger = logging.getLogger("aniso_plugins")
 ENTRY_POINT_GROUP = "aniso_plugins"
 METRIC_PREFIX = "aniso/"
 MAX_METRIC_ROUNDS = 8
+_SHARE = "core/activation_loss/"  # reduced statistic: an activation term's shares, summed over ranks
 
 
 def _plugin_name(plugin: object) -> str:
@@ -57,6 +58,8 @@ class AnisoPlugins:
                 self.register(plugin)
         self.pm.check_pending()
         self.last_loss_terms: dict[str, float] = {}
+        self._shares: dict[str, torch.Tensor] = {}  # this step's activation-term shares, summed
+        self._last_shares: dict[str, torch.Tensor] = {}  # ... of the last finished step
 
     # --- registration -----------------------------------------------------------------------
     def register(self, plugin: object, name: str | None = None) -> object:
@@ -112,8 +115,27 @@ class AnisoPlugins:
         self.last_loss_terms = values
         return total
 
+    def activation_loss_terms(self, hidden: torch.Tensor, targets: torch.Tensor, step: StepInfo) -> torch.Tensor | None:
+        """Sum of this rank's shares of the activation-dependent loss terms of one micro-batch
+        (None if there are none). Keeps their detached values, summed over the step's
+        micro-batches, for the next measurement (reduced over ranks there)."""
+        if step.micro_batch == 0:
+            self._shares = {}
+        total = None
+        seen: set[str] = set()
+        for terms in self.pm.hook.aniso_activation_loss_terms(hidden=hidden, targets=targets, step=step):
+            for name, term in (terms or {}).items():
+                if name in seen or name in self.last_loss_terms:
+                    raise ConfigError(f"two plugins returned a loss term named {name!r}: give one of them another name")
+                seen.add(name)
+                value = term.detach().to(torch.float64)
+                self._shares[name] = self._shares[name] + value if name in self._shares else value
+                total = term if total is None else total + term
+        return total
+
     def step_end(self, step: StepInfo) -> None:
         """After the optimizer step."""
+        self._last_shares, self._shares = self._shares, {}
         self.pm.hook.aniso_step_end(step=step)
 
     def eval_batch(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
@@ -127,8 +149,9 @@ class AnisoPlugins:
         if kind not in ("train", "eval"):
             raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
         reduced: dict[str, torch.Tensor] = {}
+        shares = {f"{_SHARE}{k}": Stat(v) for k, v in self._last_shares.items()} if kind == "train" else {}
         for round_index in range(MAX_METRIC_ROUNDS):
-            stats: dict[str, Stat] = {}
+            stats: dict[str, Stat] = shares if round_index == 0 else {}
             for part in self.pm.hook.aniso_metric_stats(step=step, kind=kind, round_index=round_index, reduced=reduced):
                 for name, stat in (part or {}).items():
                     if name in stats or name in reduced:
@@ -145,6 +168,7 @@ class AnisoPlugins:
                 out[METRIC_PREFIX + name] = float(value)
         if kind == "train":
             out.update({f"{METRIC_PREFIX}loss/{k}": v for k, v in self.last_loss_terms.items()})
+            out.update({f"{METRIC_PREFIX}loss/{k[len(_SHARE):]}": float(v) for k, v in reduced.items() if k.startswith(_SHARE)})
         return out
 
     def log(self, metrics: Mapping[str, float], step: int, kind: str = "train") -> None:

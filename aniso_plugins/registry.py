@@ -25,8 +25,11 @@ METHODS: Mapping[str, str | None] = {
     "cosreg": f"{_PKG}.regularizers:RegularizerPlugin",
     "hinge": f"{_PKG}.regularizers:RegularizerPlugin",
     "spectrum": f"{_PKG}.regularizers:RegularizerPlugin",
+    "simctg": f"{_PKG}.simctg:SimCTGPlugin",
+    "uniformity": f"{_PKG}.uniformity:UniformityPlugin",
+    "simcse": f"{_PKG}.simcse:SimCSEPlugin",
 }
-"""``AnisoConfig.method`` -> the training-method plugin."""
+"""``AnisoConfig.method`` entries -> the training-method plugins (one per configured method)."""
 
 HEADS: Mapping[str, str | None] = {
     "keep": None,
@@ -41,6 +44,8 @@ METRICS: Mapping[str, str] = {
     "hidden": f"{_PKG}.hidden:HiddenStatesPlugin",
     "bottleneck": f"{_PKG}.bottleneck:BottleneckPlugin",
     "eval": f"{_PKG}.evaluation:EvalPlugin",
+    "uniformity": f"{_PKG}.uniformity:UniformityMetricPlugin",
+    "ethayarajh": f"{_PKG}.ethayarajh:EthayarajhPlugin",
 }
 """``AnisoConfig.metrics`` entries -> metric plugins."""
 

@@ -9,7 +9,10 @@ An adapter translates its trainer's events into these calls, and nothing else::
                            loss_scale=..., grad_scaler=...)
     session.load_state_dict(...) / session.load(dir)      when resuming (before or after begin_training)
     session.begin_micro_batch(targets, step=..., ...)     each training micro-batch, before its forward
-    (forward: the head's forward hook attaches the loss terms on the micro-batch they are due)
+    (forward: the head's forward hook attaches the loss terms on the micro-batch they are due,
+     and each micro-batch's activation-dependent terms; an adapter whose loss calls the head
+     on chunks calls session.attach_activation_terms(hidden) on the whole micro-batch first)
+    loss = session.supplied_loss()               batches without labels, when supplies_loss
     session.end_step(step)                       after the optimizer step
     session.measure_and_log(step, "train", sink) at steps where `measures_at` says so, every rank
     with session.evaluating(targets): ...       around each evaluation batch's forward
@@ -34,6 +37,7 @@ import torch
 from torch import nn
 
 from .config import AnisoConfig, ConfigError
+from .distributed import rank_and_world
 from .loss import attach_loss
 from .model import ModelHandle, SetupError
 from .plugins import AnisoPlugins
@@ -89,7 +93,7 @@ class TrainingSession:
         *,
         owns_loss: bool = False,
     ) -> None:
-        if config is not None and config.method == "agg" and config.agg_fused and not owns_loss:
+        if config is not None and config.uses("agg") and config.agg_fused and not owns_loss:
             raise ConfigError(
                 "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
                 "run (it does in the torchtitan adapter); AGG runs as the gated LM head here: agg_fused=False"
@@ -104,6 +108,11 @@ class TrainingSession:
         self._micro_batch = 0
         self._current: StepInfo | None = None
         self._loss_due = False
+        self._activations_due = False
+        self._targets: torch.Tensor | None = None
+        self._head_input: torch.Tensor | None = None
+        self._supplied: torch.Tensor | None = None
+        self._supplying = False
         self._eval: TargetChunks | None = None
         self._pending_state: tuple[Mapping[str, Mapping[str, torch.Tensor]], str] | None = None  # (state, where)
 
@@ -113,7 +122,15 @@ class TrainingSession:
         """Whether the LM head returns a training micro-batch's loss itself (the fused AGG
         cross-entropy, normalized by the micro-batch's ``loss_normalizer``) instead of logits:
         only for an adapter that owns the loss and ``config.agg_fused``."""
-        return self.owns_loss and self.config.method == "agg" and self.config.agg_fused
+        return self.owns_loss and self.config.uses("agg") and self.config.agg_fused
+
+    @property
+    def supplies_loss(self) -> bool:
+        """Whether a training batch without labels is trained on the plugins' loss terms alone
+        (``method`` includes "simcse": unsupervised SimCSE has no token loss); the adapter then
+        announces it with ``begin_micro_batch(..., supplies_loss=True)``, runs the forward and
+        backpropagates `supplied_loss()` instead of the model's loss."""
+        return self.config.uses("simcse")
 
     @property
     def wants_eval_batches(self) -> bool:
@@ -138,7 +155,11 @@ class TrainingSession:
             raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
         try:
             self.plugins.setup(handle)
-            hook = handle.head().register_forward_hook(self._on_head_output)
+            head = handle.head()
+            # prepended: the activation terms see the head's input before any probe replaces it
+            pre = head.register_forward_pre_hook(self._on_head_input, prepend=True)
+            handle.on_restore(pre.remove)
+            hook = head.register_forward_hook(self._on_head_output)
             handle.on_restore(hook.remove)
         except BaseException:
             handle.restore()
@@ -159,6 +180,7 @@ class TrainingSession:
         self.run = None
         self._current = None
         self._loss_due = False
+        self._clear_micro_batch()
         self._eval = None
 
     def begin_training(
@@ -211,13 +233,18 @@ class TrainingSession:
         measure: bool = False,
         head_calls: int = 1,
         loss_normalizer: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        supplies_loss: bool = False,
     ) -> StepInfo:
         """Announce a training micro-batch (targets already aligned with the head's output).
 
         step: 1-based index of the optimizer step this micro-batch belongs to;
         accumulation_steps: micro-batches in this step (a trainer's last window of an epoch
         may be shorter); measure: whether metrics are measured after this step;
-        head_calls / loss_normalizer: see `StepInfo` (torchtitan's chunked loss)."""
+        head_calls / loss_normalizer / input_ids / attention_mask: see `StepInfo`;
+        supplies_loss: the batch has no labels and `supplied_loss()` will be its loss (only
+        when `supplies_loss` says the configuration can)."""
         if self.run is None:
             raise SetupError("TrainingSession.begin_training(...) must run before the first micro-batch")
         if self._current is not None and self._current.step != step:
@@ -229,12 +256,54 @@ class TrainingSession:
             measure=measure,
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
         )
+        if supplies_loss and not self.supplies_loss:
+            raise ConfigError(
+                f"a training batch without labels: method={self.config.method} has no loss of its own to train on "
+                "(only 'simcse' does); give the batches labels"
+            )
         self._micro_batch += 1
         self._current = info
+        self._clear_micro_batch()
         self.plugins.targets(targets, info)
         self._loss_due = self.config.reg_every_microbatch or info.last_micro_batch
+        self._activations_due = self.plugins.implements("aniso_activation_loss_terms")
+        self._targets = targets
+        self._supplying = supplies_loss
         return info
+
+    def _clear_micro_batch(self) -> None:
+        self._activations_due = False
+        self._targets = None
+        self._head_input = None
+        self._supplied = None
+        self._supplying = False
+
+    def attach_activation_terms(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden`, the LM head's input for the whole current micro-batch, with this
+        micro-batch's activation-dependent loss terms attached (same value; backward also
+        sends their gradient). For adapters whose loss calls the head on chunks (torchtitan);
+        elsewhere the head's forward hook does it. A no-op when none are due."""
+        if not (self._activations_due and hidden.requires_grad and torch.is_grad_enabled()):
+            return hidden
+        self._activations_due = False
+        total = self.plugins.activation_loss_terms(hidden, self._targets, self._current)
+        return hidden if total is None else attach_loss(hidden, total, self._activation_scale())
+
+    def supplied_loss(self) -> torch.Tensor:
+        """The loss of a micro-batch announced with ``supplies_loss=True``, after its forward:
+        backward through it sends exactly the loss terms' gradients (as `attach_loss`), and its
+        value is the micro-batch's term (the sum of the shares over ranks, on average over
+        ranks). Its value may be rescaled for logging without changing the gradient."""
+        loss, self._supplied = self._supplied, None
+        if loss is None:
+            raise SetupError(
+                "TrainingSession.supplied_loss: no loss terms were computed in this micro-batch's forward (announce it "
+                "with begin_micro_batch(..., supplies_loss=True) and run the model's forward first)"
+            )
+        return loss
 
     def end_step(self, step: int) -> None:
         """The optimizer step `step` was applied."""
@@ -244,9 +313,25 @@ class TrainingSession:
         self._loss_due = False
 
     def _gradient_scale(self) -> float:
+        """Weight of a term identical on every rank (the weight loss terms)."""
         scaler = self._grad_scaler
         amp = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
         return self._loss_scale * amp
+
+    def _activation_scale(self) -> float:
+        """Weight of a rank's share: the trainer's reduction makes ``loss_scale · world`` of
+        them sum over ranks (DDP averages: 1 · world; torchtitan sums: 1/world · world)."""
+        return self._gradient_scale() * rank_and_world()[1]
+
+    def _on_head_input(self, module: nn.Module, args):
+        if self._activations_due and module.training and args and isinstance(args[0], torch.Tensor):
+            if self._current is not None and self._current.head_calls > 1:
+                raise SetupError(
+                    "activation loss terms with a head called on chunks of the micro-batch: the adapter must call "
+                    "TrainingSession.attach_activation_terms(hidden) on the whole micro-batch before its loss"
+                )
+            self._head_input = args[0]
+        return None
 
     def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
         if self._eval is not None:
@@ -254,11 +339,26 @@ class TrainingSession:
             if targets is not None:
                 self.plugins.eval_batch(output.detach(), targets)
             return None
-        if not (module.training and self._loss_due and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()):
             return None
-        self._loss_due = False
-        total = self.plugins.loss_terms(self._current)
-        return output if total is None else attach_loss(output, total, self._gradient_scale())
+        total = None
+        hidden, self._head_input = self._head_input, None
+        if hidden is not None and self._activations_due and hidden.requires_grad:
+            self._activations_due = False
+            shares = self.plugins.activation_loss_terms(hidden, self._targets, self._current)
+            if shares is not None:
+                total = shares * (self._activation_scale() / self._gradient_scale())
+        if self._loss_due:
+            self._loss_due = False
+            terms = self.plugins.loss_terms(self._current)
+            if terms is not None:
+                total = terms if total is None else total + terms
+        if total is None:
+            return None
+        if self._supplying:  # no token loss: the terms are this micro-batch's whole loss
+            self._supplied = attach_loss(total.detach().requires_grad_(), total, self._gradient_scale())
+            return None
+        return attach_loss(output, total, self._gradient_scale())
 
     # --- measurement ------------------------------------------------------------------------
     def measure(self, step: int, kind: str = "train") -> dict[str, float]:

@@ -105,6 +105,8 @@ def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, 
 def check_compatible(saved: Mapping, config: Mapping, where: str) -> None:
     """Raise `StateError` if state saved under `saved` is meaningless under `config`
     (they differ in one of `STATE_FIELDS`)."""
+    if isinstance(saved.get("method"), str):  # written before method became a list (0.1: "agg")
+        saved = {**saved, "method": [saved["method"]]}
     diffs = [
         f"{k}: saved {saved.get(k)!r}, now {_jsonable(config.get(k))!r}"
         for k in STATE_FIELDS

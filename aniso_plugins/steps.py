@@ -38,6 +38,9 @@ class StepInfo:
         the targets' last dimension, in order (torchtitan's chunked loss; 1 elsewhere).
     loss_normalizer: only where the adapter owns the loss (torchtitan): the divisor of this
         micro-batch's summed token loss, for a head that computes the loss itself.
+    input_ids / attention_mask: the micro-batch's input token ids and padding mask (1 = token,
+        0 = padding), shaped like the targets, when the adapter's batches carry them (HF and
+        Lightning dict batches); None otherwise (torchtitan passes neither).
     """
 
     step: int
@@ -46,6 +49,8 @@ class StepInfo:
     measure: bool = False
     head_calls: int = 1
     loss_normalizer: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
 
     @property
     def last_micro_batch(self) -> bool:

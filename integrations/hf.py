@@ -36,6 +36,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
@@ -85,6 +86,7 @@ class AnisoCallback(TrainerCallback):
         self._pending: dict[str, float] = {}
         self._resume_dir: str | None = None
         self._measure_next = False
+        self._supplying = False
         self._wrappers: dict[str, Any] = {}
 
     # --- wiring -----------------------------------------------------------------------------
@@ -95,10 +97,10 @@ class AnisoCallback(TrainerCallback):
             return self
         if self.trainer is not None:
             raise SetupError("this AnisoCallback is already attached to another Trainer: detach() it first, or make a new one")
-        if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != "none":
+        if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != ("none",):
             raise SetupError(
                 "TrainingArguments(use_liger_kernel=True) computes the loss from lm_head.weight directly and "
-                f"bypasses the head, so method={self.config.method!r} would silently do nothing; turn Liger off"
+                f"bypasses the head, so method={self.config.method} would silently do nothing; turn Liger off"
             )
         if trainer.optimizer is not None and (self.config.head != "keep"):
             raise SetupError(
@@ -139,17 +141,28 @@ class AnisoCallback(TrainerCallback):
             trainer.callback_handler.callbacks.remove(self)
 
     def _wrap(self, trainer: Trainer) -> None:
-        wrapped = [name for name in ("training_step", "prediction_step", "train") if name in trainer.__dict__]
+        wrapped = [name for name in ("training_step", "prediction_step", "train", "compute_loss") if name in trainer.__dict__]
         if wrapped:
             raise SetupError(
                 f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
                 "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
             )
         training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
+        compute_loss = trainer.compute_loss
 
         def training_step_with_targets(model, inputs, num_items_in_batch=None):
             self._begin_micro_batch(inputs)
             return training_step(model, inputs, num_items_in_batch)
+
+        def compute_loss_or_supplied(model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not (model.training and self._supplying):
+                return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            # a batch without labels under SimCSE: the plugins' terms are the whole loss
+            outputs = model(**inputs)
+            loss = self.session.supplied_loss()
+            if _trainer_divides_by_accumulation(trainer, num_items_in_batch):
+                loss = loss * trainer.current_gradient_accumulation_steps  # logged as the step's term
+            return (loss, outputs) if return_outputs else loss
 
         def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None):
             with self.session.evaluating(self.session.targets_of(inputs)):
@@ -167,11 +180,17 @@ class AnisoCallback(TrainerCallback):
             "prediction_step": prediction_step_with_targets,
             "train": train_remembering_checkpoint,
         }
+        if self.session.supplies_loss:
+            self._wrappers["compute_loss"] = compute_loss_or_supplied
         for name, wrapper in self._wrappers.items():
             setattr(trainer, name, wrapper)
 
     def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
         targets = self.session.targets_of(inputs)
+        input_ids = inputs.get("input_ids")
+        self._supplying = targets is None and self.session.supplies_loss and input_ids is not None
+        if self._supplying:  # SimCSE without MLM labels: no position has a token loss
+            targets = torch.full_like(input_ids, self.config.ignore_index)
         if targets is None:
             raise SetupError(
                 "AnisoCallback: a training batch has no 'labels' (or 'shift_labels'); the causal-LM targets "
@@ -183,6 +202,9 @@ class AnisoCallback(TrainerCallback):
             step=trainer.state.global_step + 1,
             accumulation_steps=getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps),
             measure=self._measure_next,
+            input_ids=input_ids,
+            attention_mask=inputs.get("attention_mask"),
+            supplies_loss=self._supplying,
         )
 
     # --- trainer events ---------------------------------------------------------------------
@@ -280,6 +302,15 @@ class AnisoCallback(TrainerCallback):
             directory = self._checkpoint_dir(args, state)
             os.makedirs(directory, exist_ok=True)
             self.session.save(directory)
+
+
+def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:
+    """Whether ``Trainer.training_step`` divides the returned loss by the accumulation steps
+    (its rule in transformers 5: unless the loss was normalized over the whole step)."""
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or trainer.compute_loss_func is not None
+    return not scaled
 
 
 def newest_complete_checkpoint(output_dir: str) -> str | None:

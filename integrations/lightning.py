@@ -30,7 +30,7 @@ checkpoint through ``state_dict`` / ``load_state_dict``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -74,7 +74,7 @@ class AnisoCallback(pl.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(method=self.config.method, head=self.config.head)
+        return self._generate_state_key(method="+".join(self.config.method), head=self.config.head)
 
     def _batch_targets(self, batch: Any) -> torch.Tensor:
         targets = self.session.targets_of(batch)
@@ -124,8 +124,14 @@ class AnisoCallback(pl.Callback):
         window = acc if total == float("inf") else min(acc, int(total) - window_start)
         last = batch_idx - window_start == window - 1
         step = trainer.global_step + 1
+        inputs = batch if isinstance(batch, Mapping) else {}
         self.session.begin_micro_batch(
-            self._targets(batch), step=step, accumulation_steps=window, measure=self._due(trainer, step)
+            self._targets(batch),
+            step=step,
+            accumulation_steps=window,
+            measure=self._due(trainer, step),
+            input_ids=inputs.get("input_ids"),
+            attention_mask=inputs.get("attention_mask"),
         )
         self._stepped_at = step if last else None
 

@@ -43,6 +43,9 @@ the LM head once per sequence chunk):
 - Loss terms (CosReg, hinge, spectrum) are attached by the session in the head's forward, once
   per optimizer step. torchtitan SUMS gradients over data-parallel ranks, so every rank adds
   the (identical, global) term with weight 1/dp (``session.begin_training(loss_scale=1/dp)``).
+  Activation-dependent terms (SimCTG, uniformity of hidden states) are attached to the
+  micro-batch's whole hidden states before the chunked loss
+  (`aniso_plugins.TrainingSession.attach_activation_terms`): each rank's share with weight 1.
 - After each optimizer step (an optimizer step post-hook) the session advances its counters
   and, at measurement steps, measures (collective, every rank); `AnisoMetricsProcessor` adds
   the ``aniso/...`` values to torchtitan's own log record (TensorBoard / W&B) at that step, and
@@ -153,6 +156,7 @@ class AnisoChunkedLoss(ChunkedLossWrapper):
                 "aniso_plugins.integrations.torchtitan.aniso_checkpoint to --override.imports"
             )
         runtime.begin_micro_batch(labels, head_calls=self.num_chunks, loss_normalizer=global_valid_tokens)
+        pred = runtime.session.attach_activation_terms(pred)  # SimCTG & co. on the whole micro-batch
         if runtime.session.head_computes_loss:
             return self.lm_head(pred), {}
         return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
@@ -298,7 +302,7 @@ class AnisoRuntime:
                 f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
                 "from its config; untie with the model config's enable_weight_tying=False)"
             )
-        if config.method == "agg" and config.window is None:
+        if config.uses("agg") and config.window is None:
             raise ConfigError(
                 "window=None: AGG needs K, the optimizer steps its token counter remembers (the paper: one "
                 "epoch), and torchtitan's streaming data has no epoch length: pass --aniso.window K"

@@ -19,7 +19,7 @@ from aniso_plugins.state import load_state, save_state
 
 # A configuration where every field differs from its default (parsers must carry each one).
 NON_DEFAULT = dict(
-    method="hinge",
+    method=("hinge", "simctg", "uniformity"),
     head="lowrank",
     ignore_index=-1,
     alpha=0.05,
@@ -42,6 +42,17 @@ NON_DEFAULT = dict(
     spectrum_c1=2.0,
     spectrum_c2=0.02,
     spectrum_gamma=0.5,
+    simctg_weight=0.5,
+    simctg_margin=0.25,
+    simctg_block=64,
+    uniformity_weight=0.5,
+    uniformity_t=1.5,
+    uniformity_on=("head", "hidden"),
+    uniformity_sample=32,
+    uniformity_block=64,
+    simcse_weight=0.5,
+    simcse_temperature=0.1,
+    simcse_pooling="mean",
     lowrank_rank=4,
     lowrank_init="random",
     metrics=("frequency", "geometry", "eval"),
@@ -49,6 +60,11 @@ NON_DEFAULT = dict(
     group_fractions=(0.1, 0.6, 0.3),
     hidden_samples=32,
     bottleneck_every=9,
+    update_efficiency=True,
+    update_efficiency_eps=(0.05,),
+    update_efficiency_positions=16,
+    uniformity_rows=64,
+    ethayarajh_words=8,
     load_entry_points=False,
     on_state_mismatch="reset",
     report_at_end=True,
@@ -113,7 +129,7 @@ def test_config_is_frozen_and_replace_validates_again():
         cfg.metrics = ("geometry", "geometry")
     assert cfg.alpha == 0.03 and cfg.metrics == ("geometry",)
     changed = cfg.replace(alpha=0.1, metrics=["eval"])
-    assert (changed.alpha, changed.metrics, changed.method) == (0.1, ("eval",), "agg")
+    assert (changed.alpha, changed.metrics, changed.method) == (0.1, ("eval",), ("agg",))
     assert cfg.alpha == 0.03  # the original is untouched
     assert dataclasses.replace(cfg, alpha=0.1) == cfg.replace(alpha=0.1)
     with pytest.raises(ConfigError, match="alpha=-1"):

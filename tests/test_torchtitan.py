@@ -43,7 +43,7 @@ def test_aniso_flags_fill_the_section_and_bad_values_name_the_field(capsys):
     base = ["--module", MOD, "--config", "llama3_debugmodel_aniso"]
     flags = ["--aniso.method", "agg", "--aniso.alpha", "0.05", "--aniso.window", "7", "--aniso.metrics", "geometry", "eval"]
     aniso = ConfigManager().parse_args(base + flags).aniso
-    assert (aniso.method, aniso.alpha, aniso.window, aniso.metrics) == ("agg", 0.05, 7, ("geometry", "eval"))
+    assert (aniso.method, aniso.alpha, aniso.window, aniso.metrics) == (("agg",), 0.05, 7, ("geometry", "eval"))
     assert aniso.agg_fused  # torchtitan's default: the fused AGG cross-entropy
     assert not ConfigManager().parse_args(base + ["--aniso.no-agg-fused"]).aniso.agg_fused
     with pytest.raises(SystemExit):
@@ -65,7 +65,7 @@ def test_recipes_install_the_aniso_components_and_turn_cuda_graphs_off():
         assert model.enable_weight_tying is tied
         assert type(cfg.loss) is tt.AnisoChunkedLoss.Config and cfg.loss.loss_fn.global_vocab_size == vocab
         assert type(cfg.metrics) is tt.AnisoMetricsProcessor.Config
-        assert cfg.aniso == tt.default_config() and cfg.aniso.method == "none"
+        assert cfg.aniso == tt.default_config() and cfg.aniso.method == ("none",)
     with pytest.raises(SetupError, match="ChunkedLossWrapper"):
         tt.aniso_trainer_config(llama3_debugmodel_ce_loss())
 

@@ -14,11 +14,12 @@ from ..hookspecs import hookimpl
 
 @hookimpl
 def aniso_make_plugins(config: AnisoConfig) -> list[object]:
-    """The head plugin, the method plugin, the shared target counter (when a metric needs it)
-    and the metric plugins in ``config.metrics`` order; names that add nothing are skipped."""
+    """The head plugin, one plugin per method of ``config.method``, the shared target counter
+    (when a metric needs it) and the metric plugins in ``config.metrics`` order; names that
+    add nothing are skipped."""
     plugins: list[object] = []
-    for field in ("head", "method"):
-        cls = registry.plugin_class(field, getattr(config, field))
+    for field, name in [("head", config.head)] + [("method", m) for m in config.method]:
+        cls = registry.plugin_class(field, name)
         if cls is not None:
             plugins.append(cls(config))
     counts = None

@@ -1,7 +1,7 @@
 """CosReg, the pairwise cosine hinge and spectrum control as one loss-term plugin.
 
-``AnisoConfig(method="cosreg" | "hinge" | "spectrum")`` builds one `RegularizerPlugin`, named
-after the method; its loss term ``reg_weight · R(W)`` is logged as ``aniso/loss/<method>`` and
+``"cosreg"``, ``"hinge"`` or ``"spectrum"`` in ``AnisoConfig.method`` (at most one of them) builds
+one `RegularizerPlugin`, named after the method; its loss term ``reg_weight · R(W)`` is logged as ``aniso/loss/<method>`` and
 the unweighted R(W) as ``aniso/<method>/value``. W is read as ``model.head().weight`` at every
 call: the tied or untied head's Parameter, a gated wrapper's, or a low-rank head's A·B.
 
@@ -38,9 +38,10 @@ class RegularizerPlugin:
     optimizer step), kept in the plugin state so that a resumed run keeps the same prior."""
 
     def __init__(self, config: AnisoConfig) -> None:
-        if config.method not in REGULARIZERS:
-            raise ConfigError(f"method={config.method!r}: RegularizerPlugin runs one of {', '.join(REGULARIZERS)}")
-        self.name = config.method
+        chosen = [m for m in config.method if m in REGULARIZERS]
+        if len(chosen) != 1:
+            raise ConfigError(f"method={config.method!r}: RegularizerPlugin runs exactly one of {', '.join(REGULARIZERS)}")
+        self.name = self.method = chosen[0]
         self.config = config
         self.model: ModelHandle | None = None
         self.c1: float | None = config.spectrum_c1
@@ -48,7 +49,7 @@ class RegularizerPlugin:
 
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        if config.method == "spectrum" and config.head == "lowrank":
+        if self.method == "spectrum" and config.head == "lowrank":
             raise SetupError(
                 "method='spectrum' with head='lowrank': a rank-r head has σ_k = 0 for k > r, where the "
                 "spectrum penalty has no finite gradient; use head='untie' or 'keep'"
@@ -63,9 +64,9 @@ class RegularizerPlugin:
     def penalty(self, weight: torch.Tensor, step: StepInfo) -> torch.Tensor:
         """The unweighted R(W) of the configured method for this call."""
         cfg = self.config
-        if cfg.method == "cosreg":
+        if self.method == "cosreg":
             return cosreg(weight, cfg.reg_exclude_ids)
-        if cfg.method == "hinge":
+        if self.method == "hinge":
             generator = None
             if cfg.hinge_sample is not None:
                 generator = torch.Generator().manual_seed(step.step * 65_536 + step.micro_batch)
@@ -100,13 +101,13 @@ class RegularizerPlugin:
 
     @hookimpl
     def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
-        if self.config.method != "spectrum" or self.config.spectrum_c1 is not None or self.c1 is None:
+        if self.method != "spectrum" or self.config.spectrum_c1 is not None or self.c1 is None:
             return None
         return {self.name: {"c1": torch.tensor(self.c1, dtype=torch.float64)}}
 
     @hookimpl
     def aniso_load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
-        if self.config.method == "spectrum" and self.config.spectrum_c1 is None and self.name in state:
+        if self.method == "spectrum" and self.config.spectrum_c1 is None and self.name in state:
             self.c1 = float(state[self.name]["c1"])
 
 
