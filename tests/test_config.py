@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -138,6 +139,38 @@ def test_config_is_frozen_and_replace_validates_again():
         dataclasses.replace(cfg, alpha=-1)
     with pytest.raises(ConfigError, match="unknown configuration fields.*'alhpa'"):
         cfg.replace(alhpa=0.1)
+
+
+@pytest.mark.parametrize(
+    "method, words",
+    [
+        (("none", "agg"), "'none' (plain MLE) cannot be combined"),
+        (("cosreg", "spectrum"), "cosreg and spectrum both regularize the head rows"),
+        (("agg", "simcse"), "simcse trains sentence encoders"),
+        (("simctg", "simcse"), "simctg is for causal-LM training"),
+        ((), "name at least one method"),
+        (("agg", "agg"), "listed twice in method"),
+    ],
+)
+def test_method_combinations_that_cannot_work_are_refused(method, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        AnisoConfig(method=method)
+
+
+def test_one_method_name_and_lists_of_methods_are_the_same_field():
+    assert AnisoConfig(method="agg") == AnisoConfig(method=["agg"]) == AnisoConfig(method=("agg",))
+    cfg = AnisoConfig(method="agg, simctg")
+    assert cfg.method == ("agg", "simctg") and cfg.uses("agg") and not cfg.uses("cosreg")
+    assert AnisoConfig(method=("agg", "uniformity", "cosreg")).uses("uniformity")
+
+
+def test_state_written_when_method_was_one_string_still_resumes(tmp_path):
+    path = tmp_path / "s.safetensors"
+    old = AnisoConfig(method="agg").to_dict() | {"method": "agg"}  # 0.1 wrote a string
+    save_state(path, {"agg": {"x": torch.ones(1)}}, old)
+    assert load_state(path, AnisoConfig(method="agg").to_dict())["agg"]["x"].item() == 1.0
+    with pytest.raises(StateError, match="method"):
+        load_state(path, AnisoConfig(method=("agg", "simctg")).to_dict())
 
 
 def test_config_is_hashable_and_compares_by_value():
@@ -295,6 +328,8 @@ def test_hf_argument_parser_reads_the_flags_next_to_training_arguments(tmp_path)
     assert training.learning_rate == 0.001 and training.output_dir == str(tmp_path)
     _, default = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
     assert default == AnisoConfig()
+    _, both = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--method", "agg", "simctg"])
+    assert both.method == ("agg", "simctg") and both.uses("simctg")
 
 
 def test_hf_argument_parser_carries_every_field(tmp_path):
@@ -445,6 +480,9 @@ def test_lightning_cli_yaml_configures_the_callback(tmp_path, monkeypatch):
     override = ["--trainer.callbacks.config.metrics", "[eval]"]
     callback = _lightning_cli(["--config", str(path), *override], monkeypatch)
     assert callback.config == expected.replace(metrics=("eval",))
+    override = ["--trainer.callbacks.config.method", "[agg, simctg]"]  # a list; `method: agg` above is one name
+    callback = _lightning_cli(["--config", str(path), *override], monkeypatch)
+    assert callback.config.method == ("agg", "simctg")
     cb = {
         "class_path": "aniso_plugins.integrations.lightning.AnisoCallback",
         "init_args": {"config": {"class_path": "aniso_plugins.AnisoConfig", "init_args": {"method": "cosreg"}}},
