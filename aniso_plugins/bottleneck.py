@@ -19,12 +19,25 @@ eigen-decomposition, no projector, nothing V×V. Metrics (names as returned):
 - ``tokens``: positions counted.
 
 Which of these is the paper's Equation 1 is not checked (docs/methods.md §9.1): report them by name.
+
+**Update efficiency** (the paper's §3.4 / Fig. 6; docs/methods.md §9.5): on k sampled positions
+with logits Z (k×V), targets y and logit gradient G (rows ∝ g_i), the logit change that moving
+the hidden states along their gradient produces is P = (G W) Wᵀ = ∇_H · Wᵀ. For a budget ε,
+
+    Z_L = Z − ε‖Z‖_F · G/‖G‖_F,   Z_H = Z − ε‖Z‖_F · P/‖P‖_F
+
+and, with L the mean cross-entropy over the positions, ``decrease_logits`` = L(Z) − L(Z_L),
+``decrease_hidden`` = L(Z) − L(Z_H), ``ratio`` = decrease_hidden / decrease_logits, and
+``cos`` = ⟨G, P⟩_F / (‖G‖_F ‖P‖_F) ≤ √(1 − ``lost_fraction``) (Cauchy–Schwarz: P lies in col(W)),
+with equality when WᵀW = c·I. As ε → 0 the ratio tends to ``cos``. Statistics pool over ranks in
+two rounds: norms and the base loss (`update_efficiency_stats`), then the perturbed losses from
+the reduced norms (`update_efficiency_loss_stats`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -174,12 +187,185 @@ def logit_gradient_rank(
     return int((sigma > rtol * sigma[0]).sum())
 
 
+# --- update efficiency (Godey & Artzi 2026, §3.4 / Fig. 6; docs/methods.md §9.5) ---------------
+
+
+def eps_key(eps: float) -> str:
+    """The metric-name component of a budget ε: ``eps_`` + the shortest repr of the float
+    (``eps_0.01``, ``eps_1e-05``, ``eps_1.0``), unique per value."""
+    return f"eps_{float(eps)!r}"
+
+
+def sample_loss_positions(
+    targets: torch.Tensor, k: int, generator: torch.Generator, ignore_index: int = -100
+) -> torch.Tensor:
+    """Indices (ascending, int64, on the targets' device) into ``targets.reshape(-1)`` of k
+    positions drawn uniformly without replacement among those whose target is not
+    `ignore_index`; all of them when there are at most k. `generator` is a CPU generator."""
+    if not (isinstance(k, int) and k >= 1):
+        raise ValueError(f"k={k!r}: expected an integer >= 1")
+    valid = (targets.reshape(-1) != ignore_index).nonzero().squeeze(1)
+    if valid.numel() <= k:
+        return valid
+    pick = torch.randperm(valid.numel(), generator=generator)[:k].to(valid.device)
+    return valid[pick].sort().values
+
+
+def hidden_logit_direction(grad_hidden: torch.Tensor, weight: torch.Tensor, block_rows: int = 8192) -> torch.Tensor:
+    """P = ∇_H · Wᵀ, row i = W·dh_i: the logit change of moving the head inputs along their
+    gradient (`grad_hidden`, (k, d)) through the (V, d) matrix `weight`, as (k, V), in float32
+    (float64 if an input is), upcasting `block_rows` rows of W at a time. 2kVd flops.
+    A low-rank head W = A·B: ``hidden_logit_direction(grad_hidden @ B.T, A)``."""
+    if grad_hidden.dim() != 2 or weight.dim() != 2 or grad_hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"grad_hidden must be (k, d) and weight (V, d), got {tuple(grad_hidden.shape)} and {tuple(weight.shape)}"
+        )
+    dtype = torch.promote_types(torch.promote_types(grad_hidden.dtype, weight.dtype), torch.float32)
+    dh = grad_hidden.detach().to(device=weight.device, dtype=dtype)
+    blocks = [dh @ w.detach().to(dtype).T for w in weight.split(block_rows)]
+    return torch.cat(blocks, dim=1) if blocks else dh.new_zeros(dh.shape[0], 0)
+
+
+def _rows_per_block(v: int) -> int:
+    """Rows of a (·, V) float64 temporary that hold `LOGIT_ELEMENTS` entries."""
+    return max(1, LOGIT_ELEMENTS // max(v, 1))
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ_i (logsumexp(z_i) − z_{i,y_i}) over the rows of (k, V) `logits`, in float64 (0-d),
+    `LOGIT_ELEMENTS` entries at a time."""
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    rows = _rows_per_block(logits.shape[-1])
+    for z, y in zip(logits.split(rows), targets.split(rows)):
+        z = z.to(torch.float64)
+        total = total + (torch.logsumexp(z, dim=1) - z.gather(1, y.reshape(-1, 1).to(z.device)).squeeze(1)).sum()
+    return total
+
+
+def _check_rows(logits: torch.Tensor, grad: torch.Tensor, direction: torch.Tensor, targets: torch.Tensor) -> None:
+    if logits.dim() != 2 or grad.shape != logits.shape or direction.shape != logits.shape:
+        raise ValueError(
+            "logits, grad and direction must all be (k, V), got "
+            f"{tuple(logits.shape)}, {tuple(grad.shape)} and {tuple(direction.shape)}"
+        )
+    if targets.shape != logits.shape[:1]:
+        raise ValueError(f"targets must be (k,) = ({logits.shape[0]},), got {tuple(targets.shape)}")
+
+
+def _inner(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ a·b (b None: ‖a‖²) over all entries of (k, V) tensors as a float64 0-d tensor, computed
+    in float32 (float64 if an input is) with torch's cascade summation: relative error ~1e-6."""
+    dtype = torch.promote_types(a.dtype, torch.float32 if b is None else torch.promote_types(b.dtype, torch.float32))
+    if b is None:
+        return torch.linalg.vector_norm(a, dtype=dtype).to(torch.float64).square()
+    return (a.to(dtype) * b.to(dtype)).sum().to(torch.float64)
+
+
+def update_efficiency_stats(
+    logits: torch.Tensor, grad: torch.Tensor, direction: torch.Tensor, targets: torch.Tensor, prefix: str = ""
+) -> dict[str, Stat]:
+    """Round 0 of the update-efficiency probe: reducible sums of this rank's k sampled positions.
+
+    logits: (k, V) Z; grad: (k, V) G, logit gradients with one positive scale; direction: (k, V)
+    P = ∇_H · Wᵀ (`hidden_logit_direction`) with the same scale; targets: (k,) ids. Keys:
+    logits_sq ‖Z‖², grad_sq ‖G‖², direction_sq ‖P‖², inner ⟨G, P⟩, loss Σ CE(Z), tokens k."""
+    _check_rows(logits, grad, direction, targets)
+    f64 = {"dtype": torch.float64, "device": logits.device}
+    return {
+        f"{prefix}logits_sq": Stat(_inner(logits)),
+        f"{prefix}grad_sq": Stat(_inner(grad)),
+        f"{prefix}direction_sq": Stat(_inner(direction)),
+        f"{prefix}inner": Stat(_inner(grad, direction)),
+        f"{prefix}loss": Stat(cross_entropy_sum(logits, targets)),
+        f"{prefix}tokens": Stat(torch.tensor(float(logits.shape[0]), **f64)),
+    }
+
+
+def _step(reduced: Mapping[str, torch.Tensor], prefix: str, name: str) -> float:
+    """‖Z‖_F / ‖X‖_F from the reduced squared norms (NaN when ‖X‖ = 0 or not finite)."""
+    z, x = float(reduced[f"{prefix}logits_sq"]), float(reduced[f"{prefix}{name}_sq"])
+    return math.sqrt(z / x) if x > 0 and math.isfinite(x) and math.isfinite(z) else math.nan
+
+
+def update_efficiency_loss_stats(
+    logits: torch.Tensor,
+    grad: torch.Tensor,
+    direction: torch.Tensor,
+    targets: torch.Tensor,
+    eps: Sequence[float],
+    reduced: Mapping[str, torch.Tensor],
+    prefix: str = "",
+) -> dict[str, Stat]:
+    """Round 1: for each ε, Σ CE(Z − ε‖Z‖·G/‖G‖) (``<eps_key>/loss_logits``) and
+    Σ CE(Z − ε‖Z‖·P/‖P‖) (``<eps_key>/loss_hidden``) over this rank's positions, the Frobenius
+    norms pooled over all ranks (`reduced`: the reduced round-0 `update_efficiency_stats`).
+    Perturbed logits in float64; NaN when a norm is 0."""
+    _check_rows(logits, grad, direction, targets)
+    steps = {
+        "logits": (grad, _step(reduced, prefix, "grad")),
+        "hidden": (direction, _step(reduced, prefix, "direction")),
+    }
+    names = [(f"{prefix}{eps_key(e)}/loss_{name}", float(e), name) for e in eps for name in steps]
+    totals = {key: torch.zeros((), dtype=torch.float64, device=logits.device) for key, _, _ in names}
+    rows = _rows_per_block(logits.shape[-1])
+    blocks = zip(logits.split(rows), grad.split(rows), direction.split(rows), targets.split(rows))
+    for z, g, p, y in blocks:  # one float64 copy of each block, perturbed for every (ε, direction)
+        z, moves = z.to(torch.float64), {"logits": g.to(torch.float64), "hidden": p.to(torch.float64)}
+        for key, e, name in names:
+            totals[key] += cross_entropy_sum(torch.add(z, moves[name], alpha=-e * steps[name][1]), y)
+    return {key: Stat(total) for key, total in totals.items()}
+
+
+def update_efficiency_finish(
+    reduced: Mapping[str, torch.Tensor], eps: Sequence[float], prefix: str = ""
+) -> dict[str, float]:
+    """The metrics from the reduced round-0 and round-1 statistics: loss (L(Z), the mean CE),
+    per ε ``<eps_key>/decrease_logits``, ``/decrease_hidden``, ``/ratio``, then cos and tokens.
+    NaN without tokens, for a zero norm, or where an input is not finite."""
+    n = float(reduced[f"{prefix}tokens"])
+    if n == 0:
+        per_eps = ("decrease_logits", "decrease_hidden", "ratio")
+        names = ["loss", "cos"] + [f"{eps_key(e)}/{m}" for e in eps for m in per_eps]
+        return {**dict.fromkeys(names, math.nan), "tokens": 0.0}
+    base = float(reduced[f"{prefix}loss"]) / n
+    out = {"loss": base}
+    for e in eps:
+        key = eps_key(e)
+        dl = base - float(reduced[f"{prefix}{key}/loss_logits"]) / n
+        dh = base - float(reduced[f"{prefix}{key}/loss_hidden"]) / n
+        out[f"{key}/decrease_logits"] = dl
+        out[f"{key}/decrease_hidden"] = dh
+        out[f"{key}/ratio"] = dh / dl if dl != 0 else math.nan
+    g, p = float(reduced[f"{prefix}grad_sq"]), float(reduced[f"{prefix}direction_sq"])
+    out["cos"] = float(reduced[f"{prefix}inner"]) / math.sqrt(g * p) if g > 0 and p > 0 else math.nan
+    out = {k: v if math.isfinite(v) else math.nan for k, v in out.items()}
+    return {**out, "tokens": n}
+
+
+def update_efficiency(
+    logits: torch.Tensor, grad: torch.Tensor, direction: torch.Tensor, targets: torch.Tensor, eps: Sequence[float]
+) -> dict[str, float]:
+    """`update_efficiency_finish` of these positions alone (one process, no reduction):
+    logits / grad / direction (k, V), targets (k,) as for `update_efficiency_stats`."""
+    reduced = {k: s.value for k, s in update_efficiency_stats(logits, grad, direction, targets).items()}
+    stats = update_efficiency_loss_stats(logits, grad, direction, targets, eps, reduced)
+    return update_efficiency_finish({**reduced, **{k: s.value for k, s in stats.items()}}, eps)
+
+
 __all__ = [
     "LOGIT_ELEMENTS",
     "bottleneck_finish",
     "bottleneck_stats",
+    "cross_entropy_sum",
+    "eps_key",
     "gradient_bottleneck",
+    "hidden_logit_direction",
     "logit_gradient_rank",
     "logit_gradients",
+    "sample_loss_positions",
     "squared_row_norms",
+    "update_efficiency",
+    "update_efficiency_finish",
+    "update_efficiency_loss_stats",
+    "update_efficiency_stats",
 ]

@@ -191,7 +191,9 @@ class AnisoConfig:
     """Optimizer steps between gradient-bottleneck probes; None: metrics_every."""
     update_efficiency: bool = False
     """With the "bottleneck" metric: also measure the update efficiency through the head on
-    each probed micro-batch (docs/methods.md §9.5; costs O(k·V·d) for k positions)."""
+    each probed micro-batch (docs/methods.md §9.5). Costs 2kVd flops in the backward, 3kV
+    float32 values kept until the measurement, and (1 + 2·len(update_efficiency_eps)) float64
+    log-sum-exps over k×V at the measurement, k = update_efficiency_positions."""
     update_efficiency_eps: FloatList = _default(0.001, 0.01, 0.1)
     """Logit-update budgets ε, as fractions of ‖Z‖_F, of the update-efficiency probe."""
     update_efficiency_positions: int = 256
@@ -263,6 +265,11 @@ class AnisoConfig:
         _positive_int("uniformity_rows", self.uniformity_rows, minimum=2)
         _positive_int("ethayarajh_words", self.ethayarajh_words)
         _positive_int("update_efficiency_positions", self.update_efficiency_positions)
+        if self.update_efficiency and "bottleneck" not in self.metrics:
+            raise ConfigError(
+                f"update_efficiency=True: the probe runs on the gradient-bottleneck probe's micro-batch; add "
+                f"'bottleneck' to metrics (metrics={self.metrics!r})"
+            )
         if not self.update_efficiency_eps or any(not (0 < e <= 1) for e in self.update_efficiency_eps):
             raise ConfigError(
                 f"update_efficiency_eps={self.update_efficiency_eps!r}: expected one or more fractions of ‖Z‖ in (0, 1]"

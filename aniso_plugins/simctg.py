@@ -44,13 +44,14 @@ class _PairHinge(torch.autograd.Function):
         keys = unit.transpose(1, 2)  # (B, d, T)
         for start in range(0, length, block):
             stop = min(start + block, length)
-            rows = torch.arange(stop - start, device=unit.device)
             excess = torch.bmm(unit[:, start:stop], keys).sub_(threshold).clamp_min_(0.0)  # (B, n, T)
             excess.mul_(weight.unsqueeze(1)).mul_(weight[:, start:stop].unsqueeze(2))
-            excess[:, rows, rows + start] = 0.0  # j = i
+            excess[:, :, start:stop].diagonal(dim1=1, dim2=2).zero_()  # j = i
             value += excess.sum(dtype=torch.float64)
-            if grad is not None:
-                grad[:, start:stop] = torch.bmm((excess > 0).to(unit.dtype), unit).mul_(2.0)
+            if grad is not None:  # excess >= 0, so its sign is the active mask 1[s_ij > 1 − ρ]
+                grad[:, start:stop] = torch.bmm(excess.sign_(), unit)
+        if grad is not None:
+            grad.mul_(2.0)
         ctx.save_for_backward(grad)
         return value
 

@@ -16,11 +16,11 @@ Run: ``python benchmarks/metrics.py [--vocab 50304] [--hidden 768] [--tokens 409
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import timed
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, StepInfo, isotropy, mean_cosine, spectrum
@@ -33,12 +33,6 @@ class Head(nn.Module):
         with torch.no_grad():  # a GPT-2-like init plus a shared offset (a mildly anisotropic head)
             self.lm_head.weight.normal_(0.0, 0.02).add_(0.01)
 
-
-def _timed(fn: Callable[[], None]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -72,8 +66,8 @@ def main() -> None:
 
     def probe_step() -> None:
         probe.targets(y, StepInfo(step=1, measure=True))
-        probe_parts["probe: armed forward+backward"].append(_timed(lambda: head_step(probed.lm_head)))
-        probe_parts["probe: measurement"].append(_timed(lambda: probe.measure(StepInfo(step=1, measure=True))))
+        probe_parts["probe: armed forward+backward"].append(timed(lambda: head_step(probed.lm_head)))
+        probe_parts["probe: measurement"].append(timed(lambda: probe.measure(StepInfo(step=1, measure=True))))
 
     cases: dict[str, Callable[[], None]] = {
         "head forward+backward (baseline)": lambda: head_step(model.lm_head),
@@ -87,7 +81,7 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for round_ in range(args.reps + 1):
         for name, fn in cases.items():
-            elapsed = _timed(fn)
+            elapsed = timed(fn)
             if round_ > 0:
                 times[name].append(elapsed)
     for parts in probe_parts.values():

@@ -13,20 +13,14 @@ at a smaller vocabulary (--hinge-vocab) and extrapolated by (V / V_small)², whi
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from timing import timed
 
 from aniso_plugins.regularizers import cosine_hinge, cosreg, spectrum_penalty
 
-
-def _timed(fn: Callable[[], None]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process: all its threads)."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def _min(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
@@ -82,16 +76,16 @@ def main() -> None:
         run()
     for _ in range(args.rounds):
         for name, (_, run) in cases.items():
-            best[name] = _min(best[name], _timed(run))
+            best[name] = _min(best[name], timed(run))
 
     small = w.detach()[: args.hinge_vocab].clone().requires_grad_(True)
     exact = _reg_step(small, lambda x: cosine_hinge(x, 0.5, block=args.block))
     _reg_step(small[:2048].detach().clone().requires_grad_(True), lambda x: cosine_hinge(x, 0.5))()  # warm-up
-    hinge_small = _timed(exact)
+    hinge_small = timed(exact)
     grow = (v / args.hinge_vocab) ** 2
     hinge_full = (hinge_small[0] * grow, hinge_small[1] * grow)
     baseline = cases["head step (baseline)"][1]
-    best["head step (baseline)"] = _min(best["head step (baseline)"], _timed(baseline))  # adjacent to the hinge
+    best["head step (baseline)"] = _min(best["head step (baseline)"], timed(baseline))  # adjacent to the hinge
 
     base = best["head step (baseline)"]
     print(f"V={v}, d={d}, N={n} tokens, fp32 CPU, torch.set_num_threads({args.threads}), min of {args.rounds} rounds")

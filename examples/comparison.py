@@ -9,6 +9,9 @@ METHODS: dict[str, dict] = {
     "hinge": dict(method="hinge", reg_weight=1.0, hinge_margin=0.5, hinge_sample=256),
     "spectrum": dict(method="spectrum", reg_weight=0.1, spectrum_prior="poly"),
     "lowrank": dict(head="lowrank", lowrank_rank=16),
+    "simctg": dict(method="simctg", simctg_weight=1.0, simctg_margin=0.5),
+    "uniformity": dict(method="uniformity", uniformity_weight=0.1, uniformity_sample=1024),
+    "agg+simctg": dict(method=("agg", "simctg"), alpha=0.03, simctg_weight=1.0),
 }
 
 def add_run_arguments(parser) -> None:

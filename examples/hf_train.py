@@ -2,7 +2,7 @@
 
     python examples/hf_train.py --method agg          # AGG (Yu et al. 2022)
     python examples/hf_train.py --method mle          # plain maximum likelihood, for comparison
-    python examples/hf_train.py --method cosreg|spectrum|lowrank|hinge
+    python examples/hf_train.py --method cosreg|spectrum|lowrank|hinge|simctg|uniformity|agg+simctg
     python examples/hf_train.py --text-file my.txt    # your own corpus
 
 The default corpus is the help text that ships with every Python (``pydoc_data.topics``,

@@ -56,7 +56,7 @@ NON_DEFAULT = dict(
     simcse_pooling="mean",
     lowrank_rank=4,
     lowrank_init="random",
-    metrics=("frequency", "geometry", "eval"),
+    metrics=("frequency", "geometry", "eval", "bottleneck"),
     metrics_every=5,
     group_fractions=(0.1, 0.6, 0.3),
     hidden_samples=32,
@@ -157,6 +157,12 @@ def test_method_combinations_that_cannot_work_are_refused(method, words):
         AnisoConfig(method=method)
 
 
+def test_update_efficiency_without_the_bottleneck_probe_is_refused():
+    with pytest.raises(ConfigError, match="add 'bottleneck' to metrics"):
+        AnisoConfig(update_efficiency=True, metrics=("geometry",))
+    assert AnisoConfig(update_efficiency=True, metrics=("bottleneck",)).update_efficiency
+
+
 def test_one_method_name_and_lists_of_methods_are_the_same_field():
     assert AnisoConfig(method="agg") == AnisoConfig(method=["agg"]) == AnisoConfig(method=("agg",))
     cfg = AnisoConfig(method="agg, simctg")
@@ -235,7 +241,7 @@ def test_duplicates_in_sequence_fields_raise(kwargs, message):
 def test_dict_round_trip_keeps_every_field():
     cfg = AnisoConfig(**NON_DEFAULT)
     data = json.loads(json.dumps(cfg.to_dict()))
-    assert data["metrics"] == ["frequency", "geometry", "eval"]  # JSON lists
+    assert data["metrics"] == ["frequency", "geometry", "eval", "bottleneck"]  # JSON lists
     assert AnisoConfig.from_dict(data) == cfg
     assert AnisoConfig.from_dict({}) == AnisoConfig()
 

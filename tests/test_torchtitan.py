@@ -313,6 +313,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     agg_metrics = ["--aniso.metrics", "geometry", "eval", "--aniso.metrics_every", "2", "--metrics.log_freq", "4"]
     validate = ["--validator.enable", "--validator.freq", "4", "--validator.dataloader.dataset_path", assets["data_w1"]]
     cos = NO_METRICS + ["--aniso.method", "cosreg", "--aniso.reg_weight", "0.5", "--training.steps", "2"]
+    simctg = NO_METRICS + ["--aniso.method", "simctg", "--aniso.simctg_weight", "2.0", "--training.steps", "1"]
 
     def copy(src: str, dst: str, step: int = 2):
         return lambda done: _copy_checkpoint(os.path.join(root, src), os.path.join(root, dst), step)
@@ -326,6 +327,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         # 4 sequences per step as 2 micro-batches of 2: the term must still be added once
         dict(name="cos", config="cpu_aniso", args=cos + ["--training.global_batch_size", "4"], local=2),
         dict(name="none", config="cpu_aniso", args=NO_METRICS + ["--aniso.method", "none"]),
+        # SimCTG on the whole micro-batch before torchtitan's 8 chunks: 2 micro-batches, or 2 ranks
+        dict(name="simctg", config="cpu_aniso", args=seed + simctg + ["--training.global_batch_size", "4"], local=2, after=["seed"]),
+        dict(name="simctg_w2", config="cpu_aniso", args=seed + simctg, world=2, after=["seed"]),
         # every metric plugin with 2 micro-batches per step
         dict(name="metrics_ga", config="cpu_aniso", local=2, args=[
             "--aniso.metrics", "geometry", "frequency", "hidden", "bottleneck", "--aniso.metrics_every", "1",
@@ -461,6 +465,37 @@ def test_cosreg_gradient_is_added_once_per_step_with_torchtitans_sum_over_ranks(
             if param != "lm_head.weight":
                 torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-7, msg=f"{name} {param}")
     assert set(runs["cos"]["tb"]["aniso/loss/cosreg"]) == {1, 2}
+
+
+def _simctg_reference(hidden: torch.Tensor, labels: torch.Tensor, margin: float = 0.5) -> float:
+    """SimCTG (Su et al. 2022) by explicit loops in float64: Σ over sequences and ordered pairs
+    i ≠ j of valid positions of max(0, ρ − 1 + cos(h_i, h_j)), over the number of pairs."""
+    total, pairs = 0.0, 0
+    for h, y in zip(hidden.double(), labels):
+        idx = [t for t in range(len(y)) if y[t] != -100]
+        for i in idx:
+            for j in idx:
+                if i != j:
+                    total += max(0.0, margin - 1.0 + float(torch.nn.functional.cosine_similarity(h[i], h[j], dim=0)))
+                    pairs += 1
+    return total / pairs
+
+
+@pytest.mark.slow
+def test_simctg_terms_cover_whole_micro_batches_and_sum_over_ranks(runs):
+    """torchtitan calls the head on 8 chunks of each sequence; the SimCTG pairs must still span
+    the whole sequence (the adapter attaches the term to the whole micro-batch first)."""
+    one, two = runs["simctg"], runs["simctg_w2"]
+    chunks = len(one["head_inputs"]) // len(one["labels"])  # head calls per micro-batch
+    hidden = [torch.cat(one["head_inputs"][i : i + chunks], dim=1) for i in range(0, len(one["head_inputs"]), chunks)]
+    expected = sum(_simctg_reference(h, y) for h, y in zip(hidden, one["labels"])) / len(hidden)
+    assert one["tb"]["aniso/loss/simctg"][1] == pytest.approx(2.0 * expected, rel=1e-4)
+    # the same 4 sequences as 2 micro-batches on 1 rank or 1 micro-batch on each of 2 ranks (all
+    # sequences full, so every micro-batch has the same number of pairs): the same step gradient
+    assert two["tb"]["aniso/loss/simctg"][1] == pytest.approx(one["tb"]["aniso/loss/simctg"][1], rel=1e-4)
+    for name, grad in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert any((one["grads"][n] - g).abs().max() > 1e-6 for n, g in runs["none"]["grads"].items() if n in one["grads"])
 
 
 # --- override path, checkpoints ----------------------------------------------------------------------

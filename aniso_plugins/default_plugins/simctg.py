@@ -6,10 +6,10 @@ it adds ``simctg_weight · L_CL`` on the LM head's input, with L_CL pooled over 
 the micro-batch's **global** batch (every data-parallel rank's sequences): each rank returns
 its share, the sum of its own pair losses divided by the global pair count, which
 `aniso_targets` all-reduces (one int64 scalar per micro-batch). Under gradient accumulation each
-micro-batch is one SimCTG batch and the step's term is their mean (shares divided by
-``step.accumulation_steps``), as the paper's loss averaged with the MLE loss per micro-batch.
-The value is logged by the core as ``aniso/loss/simctg`` (the weighted mean over the step's
-micro-batches).
+micro-batch is one SimCTG batch and the step's term is the mean over its micro-batches (shares
+divided by ``step.accumulation_steps``), as a trainer averages the micro-batches' MLE losses.
+The core logs the step's term as ``aniso/loss/simctg`` (``simctg_weight`` times the mean of
+the micro-batches' L_CL).
 """
 
 from __future__ import annotations
