@@ -619,3 +619,58 @@ def test_two_ranks_equal_single_process_references(mode):
                     sums += math.exp(-T * float((u[i] - u[j]).square().sum()))
         pairs += len(u) * (len(u) - 1)
     assert metrics["aniso/uniformity/hidden"] == pytest.approx(math.log(sums / pairs), rel=1e-9)
+
+
+# --- the real Lightning Trainer ----------------------------------------------------------------
+def test_lightning_head_and_hidden_uniformity_under_gradient_accumulation(tmp_path):
+    """accumulate_grad_batches=2: the step's gradient minus MLE's equals ∇ of the float64 loop
+    reference: the head term once (weights of the step) plus the mean over the 2 micro-batches
+    of the hidden-state term over the positions with a target."""
+    import copy
+
+    import lightning.pytorch as pl
+
+    from aniso_plugins.integrations.lightning import AnisoCallback
+    from aniso_plugins.session import causal_targets
+    from lightning_utils import GradCapture, LitLM, loader
+
+    weight = 0.5
+
+    def run(method):
+        module = LitLM(tied=False)
+        start = copy.deepcopy(module)
+        cap = GradCapture()
+        cfg = AnisoConfig(
+            method=method, uniformity_on=("head", "hidden"), uniformity_weight=weight, uniformity_block=5,
+            metrics=(), load_entry_points=False,
+        )
+        cb = AnisoCallback(cfg, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+            num_sanity_val_steps=0, accumulate_grad_batches=2, callbacks=[cb, cap],
+        )
+        data = loader(n=8, batch_size=4)
+        trainer.fit(module, data)
+        return start, cap.grads[0], list(data)[:2]
+
+    _, mle, _ = run("none")
+    start, got, batches = run("uniformity")
+    model = copy.deepcopy(start).double()
+    hiddens = []
+    model.model.lm_head.register_forward_pre_hook(lambda m, a: hiddens.append(a[0]))
+    for batch in batches:
+        model.model(batch["input_ids"])
+    hidden_terms = []
+    for h, batch in zip(hiddens, batches):
+        valid = causal_targets(batch["labels"]).reshape(-1) != IGNORE
+        hidden_terms.append(ref_loop(h.reshape(-1, h.shape[-1])[valid], T))
+    ref = weight * ref_loop(model.model.lm_head.weight, T) + weight * sum(hidden_terms) / 2
+    params = dict(model.named_parameters())
+    grads = dict(zip(params, torch.autograd.grad(ref, list(params.values()), allow_unused=True)))
+    checked = 0
+    for name, g in got.items():
+        expected = grads[name] if grads[name] is not None else torch.zeros_like(g, dtype=torch.float64)
+        torch.testing.assert_close((g - mle[name]).double(), expected, rtol=1e-5, atol=1e-7, msg=name)
+        checked += bool(expected.abs().max() > 1e-6)
+    assert checked >= 4 and grads["model.lm_head.weight"].abs().max() > 1e-6
