@@ -47,6 +47,7 @@ from .reduce import Stat, reduce_stats
 from .regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
 from .state import StateError, load_state, save_state
 from .session import TrainingSession, batch_targets, causal_targets
+from .simcse import SimCSECollator
 from .steps import RunInfo, StepInfo
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "Rotation",
     "RunInfo",
     "SetupError",
+    "SimCSECollator",
     "SlidingTokenCounter",
     "Spectrum",
     "Stat",

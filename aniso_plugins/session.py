@@ -66,16 +66,19 @@ def causal_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tens
     return torch.cat([labels[..., 1:], pad], dim=-1)
 
 
-def batch_targets(batch: Any, ignore_index: int = -100) -> torch.Tensor | None:
+def batch_targets(batch: Any, ignore_index: int = -100, causal: bool = True) -> torch.Tensor | None:
     """The head-aligned targets of a dict-like batch, as transformers computes its loss:
     ``batch["shift_labels"]`` when present (already aligned), else the causal shift of
-    ``batch["labels"]``; None when the batch has neither."""
+    ``batch["labels"]`` (`causal`), or the labels as they are (masked and sequence-to-sequence
+    LMs, whose logits are aligned with their labels); None when the batch has neither."""
     if not isinstance(batch, Mapping):
         return None
     if batch.get("shift_labels") is not None:
         return batch["shift_labels"]
     labels = batch.get("labels")
-    return None if labels is None else causal_targets(labels, ignore_index)
+    if labels is None:
+        return None
+    return causal_targets(labels, ignore_index) if causal else labels
 
 
 class TrainingSession:
@@ -219,9 +222,9 @@ class TrainingSession:
         None when unknown or infinite."""
         return optimizer_steps_per_epoch(batches, accumulation_steps)
 
-    def targets_of(self, batch: Any) -> torch.Tensor | None:
+    def targets_of(self, batch: Any, causal: bool = True) -> torch.Tensor | None:
         """`batch_targets` with this run's ``ignore_index``."""
-        return batch_targets(batch, self.config.ignore_index)
+        return batch_targets(batch, self.config.ignore_index, causal)
 
     # --- training ---------------------------------------------------------------------------
     def begin_micro_batch(
@@ -356,7 +359,10 @@ class TrainingSession:
         if total is None:
             return None
         if self._supplying:  # no token loss: the terms are this micro-batch's whole loss
-            self._supplied = attach_loss(total.detach().requires_grad_(), total, self._gradient_scale())
+            value = total.detach().requires_grad_()
+            if rank_and_world()[1] > 1:  # DDP all-reduces only once every parameter of the forward has a
+                value = value + _ZeroThrough.apply(output)  # gradient: the head's get zeros (one backward through it)
+            self._supplied = attach_loss(value, total, self._gradient_scale())
             return None
         return attach_loss(output, total, self._gradient_scale())
 
@@ -473,6 +479,22 @@ class TrainingSession:
             if self.config.on_state_mismatch != "reset":
                 raise
             logger.warning("%s -- on_state_mismatch='reset': the plugins' state starts fresh", e)
+
+
+class _ZeroThrough(torch.autograd.Function):
+    """0 as a function of `x`, whose backward sends zeros to `x` (the parameters behind `x` take
+    part in the backward with zero gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.meta = (x.shape, x.dtype, x.device)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        shape, dtype, device = ctx.meta
+        return torch.zeros(shape, dtype=dtype, device=device)
+
 
 class _EmbeddingsView(nn.Module):
     """The model's input embedding and head, seen through the transformers accessor names that

@@ -87,6 +87,7 @@ class AnisoCallback(TrainerCallback):
         self._resume_dir: str | None = None
         self._measure_next = False
         self._supplying = False
+        self._causal = True
         self._wrappers: dict[str, Any] = {}
 
     # --- wiring -----------------------------------------------------------------------------
@@ -108,6 +109,7 @@ class AnisoCallback(TrainerCallback):
                 "let the Trainer create its optimizer"
             )
         self.trainer = trainer
+        self._causal = not _aligned_labels(trainer.model)
         handler = trainer.callback_handler
         if self not in handler.callbacks:
             handler.add_callback(self)
@@ -165,7 +167,7 @@ class AnisoCallback(TrainerCallback):
             return (loss, outputs) if return_outputs else loss
 
         def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None):
-            with self.session.evaluating(self.session.targets_of(inputs)):
+            with self.session.evaluating(self.session.targets_of(inputs, self._causal)):
                 return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
         def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
@@ -186,15 +188,16 @@ class AnisoCallback(TrainerCallback):
             setattr(trainer, name, wrapper)
 
     def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
-        targets = self.session.targets_of(inputs)
+        targets = self.session.targets_of(inputs, self._causal)
         input_ids = inputs.get("input_ids")
         self._supplying = targets is None and self.session.supplies_loss and input_ids is not None
         if self._supplying:  # SimCSE without MLM labels: no position has a token loss
             targets = torch.full_like(input_ids, self.config.ignore_index)
         if targets is None:
             raise SetupError(
-                "AnisoCallback: a training batch has no 'labels' (or 'shift_labels'); the causal-LM targets "
-                "are needed (use DataCollatorForLanguageModeling(mlm=False) or add labels)"
+                "AnisoCallback: a training batch has no 'labels' (or 'shift_labels'); the targets are needed "
+                "(use DataCollatorForLanguageModeling, or add labels; label-free batches train only with "
+                "method='simcse' and SimCSECollator)"
             )
         trainer = self.trainer
         self.session.begin_micro_batch(
@@ -302,6 +305,15 @@ class AnisoCallback(TrainerCallback):
             directory = self._checkpoint_dir(args, state)
             os.makedirs(directory, exist_ok=True)
             self.session.save(directory)
+
+
+def _aligned_labels(model: nn.Module) -> bool:
+    """Whether the model's logits are aligned with its ``labels`` (masked and sequence-to-sequence
+    LMs: transformers' masked-LM mapping), so the targets are not shifted; the Trainer shifts
+    only for causal LMs too (its label smoother's ``shift_labels``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return type(model).__name__ in set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
 
 
 def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
+import aniso_plugins
 from aniso_plugins import AnisoConfig, ConfigError, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 from references import agg_first_step_grad, regularizer_grad
@@ -274,3 +275,38 @@ def _flatten(tree, prefix=""):
             yield from _flatten(v, f"{prefix}/{i}")
     elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
         yield prefix, float(tree)
+
+
+def test_masked_lm_targets_are_the_labels_unshifted(tmp_path):
+    """A masked LM's logits are aligned with its labels (the Trainer shifts only causal LMs): the
+    plugins must see the masked positions where they are, not one to the left."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    seen: list[torch.Tensor] = []
+
+    class Targets:
+        name = "targets_probe"
+
+        @aniso_plugins.hookimpl
+        def aniso_targets(self, targets, step):
+            seen.append(targets.clone())
+
+    class Masked(TokenDataset):
+        def __getitem__(self, i):
+            labels = torch.full_like(self.ids[i], -100)
+            labels[2::3] = self.ids[i][2::3]  # every third position is "masked"
+            return {"input_ids": self.ids[i], "labels": labels}
+
+    model = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=64))
+    data = Masked()
+    trainer = Trainer(
+        model=model, args=TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, **QUIET),
+        train_dataset=data,
+        callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False), plugins=[Targets()])],
+    )
+    trainer.train()
+    (targets,) = seen
+    assert (targets[:, 2::3] != -100).all() and (targets[:, 0::3] == -100).all() and (targets[:, 1::3] == -100).all()
+    rows = {tuple(data[i]["labels"].tolist()) for i in range(len(data))}
+    assert all(tuple(row.tolist()) in rows for row in targets)
