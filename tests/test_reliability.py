@@ -134,6 +134,38 @@ def test_config_errors_name_what_is_duplicated():
         AnisoConfig(metrics=("geometry", "geometry"))
 
 
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        (dict(method=("none", "simctg")), "cannot be combined"),
+        (dict(method=("hinge", "spectrum")), "both regularize the head rows"),
+        (dict(method=("simcse", "simctg")), "simcse trains sentence encoders"),
+        (dict(update_efficiency=True, metrics=("geometry",)), "add 'bottleneck' to metrics"),
+    ],
+)
+def test_configurations_that_cannot_work_fail_when_built(kw, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        AnisoConfig(**kw)
+
+
+def test_simcse_without_its_collator_fails_before_the_first_update(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    class Sentences(TokenDataset):  # no labels, and every row a different sentence
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i])}
+
+    model = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=64))
+    before = fingerprint(model)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, **QUIET)
+    trainer = Trainer(model=model, args=args, train_dataset=Sentences(), callbacks=[AnisoCallback(cfg(method="simcse"))])
+    with pytest.raises(ConfigError, match="SimCSECollator"):
+        trainer.train()
+    for (name, _, a), (_, _, b) in zip(fingerprint(model)["params"], before["params"]):
+        assert torch.equal(a, b), name  # no step was taken
+
+
 # --- silently wrong runs now raise ---------------------------------------------------------------
 def test_a_second_callback_that_changes_the_head_is_refused_and_a_replaced_head_stops_agg(tmp_path):
     model = tiny_gpt2()
