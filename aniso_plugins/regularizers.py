@@ -28,85 +28,19 @@ is disabled inside), statistics and values are accumulated in float64.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from .distributed import ceil_div, chunk_bounds, local_rows
-from .linalg import ROW_BLOCK, all_reduce_sum_shared, gram_stats, singular_values
+from .distributed import ceil_div
+from .linalg import ROW_BLOCK, gram_stats, singular_values
+from .rows import GradientInForward, check_ids, column_block, global_sum, no_autocast, split_rows, unit_rows, valid_count
 
 Prior = Literal["poly", "exp", "ratio"]
 PRIORS: tuple[str, ...] = ("poly", "exp", "ratio")
-
-
-class _Rows(NamedTuple):
-    """This rank's rows of W: ``rows == W[offset : offset + len(rows)]``; `group` is the mesh
-    group to reduce over when W is row-sharded, None when `rows` is the whole matrix."""
-
-    rows: torch.Tensor
-    offset: int
-    total: int
-    group: dist.ProcessGroup | None
-
-
-def _split(weight: torch.Tensor, what: str) -> _Rows:
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"{what}: weight must be a 2-D (vocab, hidden) tensor, got {shape}")
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(weight, DTensor):
-        if all(isinstance(p, Replicate) for p in weight.placements):
-            return _Rows(weight.to_local(), 0, weight.shape[0], None)
-        lr = local_rows(weight)  # Shard(0) on a 1-D mesh; raises for other layouts
-        return _Rows(lr.rows, lr.offset, lr.total, weight.device_mesh.get_group())
-    return _Rows(weight, 0, weight.shape[0], None)
-
-
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-@contextlib.contextmanager
-def _no_autocast(tensor: torch.Tensor) -> Iterator[None]:
-    with torch.autocast(device_type=tensor.device.type, enabled=False):
-        yield
-
-
-def _global_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return tensor if group is None else all_reduce_sum_shared(tensor, group)
-
-
-def _check_ids(exclude_ids: Sequence[int], total: int) -> list[int]:
-    ids = sorted({int(i) for i in exclude_ids})
-    bad = [i for i in ids if not 0 <= i < total]
-    if bad:
-        raise ValueError(f"exclude_ids={bad}: token ids must lie in [0, {total}) for a head with {total} rows")
-    return ids
-
-
-def _unit_rows(parts: _Rows, exclude_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(û, valid): the local rows normalized to unit length (float32/64), and which of them
-    take part. Rows of norm 0 and excluded ids are not valid; their û rows are 0 (no gradient)."""
-    x = parts.rows.to(_work_dtype(parts.rows.dtype))
-    norm = torch.linalg.vector_norm(x, dim=1)
-    valid = norm > 0
-    ids = _check_ids(exclude_ids, parts.total)
-    if ids:
-        local = torch.tensor(ids, dtype=torch.long, device=x.device) - parts.offset
-        local = local[(local >= 0) & (local < x.shape[0])]
-        valid[local] = False
-    scale = valid / torch.where(valid, norm, torch.ones_like(norm))  # 1/‖w_i‖, 0 for invalid rows
-    return x * scale.unsqueeze(1), valid
-
-
-def _valid_count(valid: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """N, the number of valid rows of the whole matrix (float64, 0-d)."""
-    return _global_sum(valid.sum(dtype=torch.float64), group)
 
 
 def cosreg(weight: torch.Tensor, exclude_ids: Sequence[int] = ()) -> torch.Tensor:
@@ -121,25 +55,15 @@ def cosreg(weight: torch.Tensor, exclude_ids: Sequence[int] = ()) -> torch.Tenso
     remaining rows (R = 0 when N = 0). The paper's γ is ``config.reg_weight`` (γ = 1 there).
     Gradient (autograd): ∂R/∂w_i = 2/(N²‖w_i‖) · (I − ŵ_iŵ_iᵀ)(s − ŵ_i), s = Σ_j ŵ_j. Sharded
     weights reduce s (d floats) and N. Returns a 0-d float64 tensor."""
-    parts = _split(weight, "cosreg")
-    with _no_autocast(parts.rows):
-        unit, valid = _unit_rows(parts, exclude_ids)
-        total = _global_sum(unit.sum(0, dtype=torch.float64), parts.group)
-        n = _valid_count(valid, parts.group)
+    parts = split_rows(weight, "cosreg")
+    with no_autocast(parts.rows):
+        unit, valid = unit_rows(parts, exclude_ids)
+        total = global_sum(unit.sum(0, dtype=torch.float64), parts.group)
+        n = valid_count(valid, parts.group)
         return (total.dot(total) - n) / n.clamp_min(1.0).square()
 
 
-class _GradientInForward(torch.autograd.Function):
-    """A scalar whose gradient w.r.t. the first input is computed (and saved) in forward; the
-    other seven inputs get none. Backward scales the saved gradient by the upstream one."""
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None, None, None, None, None
-
-
-class _HingeExact(_GradientInForward):
+class _HingeExact(GradientInForward):
     """Σ_{i local} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ) over all ranks, times `scale`, with the gradient
     2·M·Û (M = 1[cos > γ], symmetric) accumulated in the forward, block by block."""
 
@@ -153,7 +77,7 @@ class _HingeExact(_GradientInForward):
         grad = torch.zeros_like(unit) if ctx.needs_input_grad[0] else None
         value = torch.zeros((), dtype=torch.float64, device=unit.device)
         for k in range(rounds):
-            cols, col_ids = _column_block(flagged, k * block, block, total, group)
+            cols, col_ids = column_block(flagged, k * block, block, total, group)
             cos = unit @ cols[:, :d].T  # (n, ≤ world·block): the only O(block·V) tensor
             cos.masked_fill_(~valid.unsqueeze(1), -math.inf)
             cos.masked_fill_(~(cols[:, d] > 0).unsqueeze(0), -math.inf)
@@ -171,28 +95,7 @@ class _HingeExact(_GradientInForward):
 
 
 
-def _column_block(
-    flagged: torch.Tensor, start: int, block: int, total: int, group: dist.ProcessGroup | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``start : start + block`` of every rank's shard, with their global ids (−1 for
-    padding). One all_gather of (block, d + 1) per rank when sharded."""
-    piece = flagged[start : start + block]
-    if group is None:
-        return piece, torch.arange(start, start + len(piece), device=flagged.device)
-    world = dist.get_world_size(group)
-    padded = flagged.new_zeros(block, flagged.shape[1])
-    padded[: len(piece)] = piece
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded.contiguous(), group=group)
-    ids = []
-    for r in range(world):
-        lo, hi = chunk_bounds(total, r, world)
-        rid = torch.arange(lo + start, lo + start + block, device=flagged.device)
-        ids.append(torch.where(rid < hi, rid, torch.full_like(rid, -1)))
-    return torch.cat(gathered), torch.cat(ids)
-
-
-class _HingeSampled(_GradientInForward):
+class _HingeSampled(GradientInForward):
     """Σ_{i∈S} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ), times `scale`; gradient Mᵀ Û_S on every row j plus
     M Û on the sampled rows i (M = 1[cos > γ], S × V), accumulated in the forward."""
 
@@ -270,12 +173,12 @@ def cosine_hinge(
         raise ValueError(f"sample={sample!r}: expected None (exact) or an integer >= 1 (rows per step)")
     if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not math.isfinite(margin):
         raise ValueError(f"margin={margin!r}: expected a finite number (a cosine threshold, usually in [-1, 1])")
-    parts = _split(weight, "cosine_hinge")
-    with _no_autocast(parts.rows):
-        unit, valid = _unit_rows(parts, exclude_ids)
-        n = float(_valid_count(valid, parts.group))
+    parts = split_rows(weight, "cosine_hinge")
+    with no_autocast(parts.rows):
+        unit, valid = unit_rows(parts, exclude_ids)
+        n = float(valid_count(valid, parts.group))
         norm = 1.0 / max(n, 1.0) ** 2
-        excluded = _check_ids(exclude_ids, parts.total)
+        excluded = check_ids(exclude_ids, parts.total)
         population = parts.total - len(excluded)
         if sample is None or sample >= population:
             return _HingeExact.apply(unit, valid, parts.offset, parts.total, float(margin), block, norm, parts.group)
@@ -291,9 +194,9 @@ def weight_singular_values(weight: torch.Tensor) -> torch.Tensor:
     """Singular values σ_1 ≥ … ≥ σ_d of W (V×d), float64, differentiable, from the d×d Gram
     WᵀW = Σ_shards W_rᵀW_r (`aniso_plugins.linalg.gram_stats` / `singular_values`,
     docs/performance.md §5.1-5.2). The gradient is finite only where σ_k > 0 (V ≥ d, full rank)."""
-    parts = _split(weight, "weight_singular_values")
-    with _no_autocast(parts.rows):
-        gram = _global_sum(gram_stats(parts.rows).gram, parts.group)
+    parts = split_rows(weight, "weight_singular_values")
+    with no_autocast(parts.rows):
+        gram = global_sum(gram_stats(parts.rows).gram, parts.group)
         return singular_values(gram)
 
 

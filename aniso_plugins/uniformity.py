@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .distributed import ceil_div
 from .reduce import Stat
-from .regularizers import _check_ids, _column_block, _no_autocast, _Rows, _split, _unit_rows, _valid_count
+from .rows import GradientInForward, Rows, check_ids, column_block, no_autocast, split_rows, unit_rows, valid_count
 
 _NEG_INF = -math.inf
 
@@ -142,16 +142,7 @@ def _flagged(unit: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.cat([unit, valid.unsqueeze(1).to(unit.dtype)], 1)
 
 
-class _SavedGradient(torch.autograd.Function):
-    """A scalar whose gradient w.r.t. the first input is computed (and saved) in forward."""
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (grad,) = ctx.saved_tensors
-        return (grad * grad_out.to(grad.dtype),) + (None,) * ctx.other_inputs
-
-
-class _ExactLogSum(_SavedGradient):
+class _ExactLogSum(GradientInForward):
     """log Σ_{i≠j valid} exp(−t‖û_i − û_j‖²) over all rows of all ranks, blockwise."""
 
     @staticmethod
@@ -159,15 +150,14 @@ class _ExactLogSum(_SavedGradient):
         world = 1 if group is None else dist.get_world_size(group)
         flagged = _flagged(unit, valid)
         rounds = ceil_div(ceil_div(total, world), block)  # blocks of the largest shard
-        columns = (_column_block(flagged, k * block, block, total, group) for k in range(rounds))
+        columns = (column_block(flagged, k * block, block, total, group) for k in range(rounds))
         log_total, grad = _exact_sums(unit, valid, offset, columns, t, ctx.needs_input_grad[0], group)
-        ctx.other_inputs = 6
         if grad is not None:
             ctx.save_for_backward(grad)
         return log_total
 
 
-class _SampledLogSum(_SavedGradient):
+class _SampledLogSum(GradientInForward):
     """log Σ_{i∈S valid} Σ_{j≠i valid} exp(−t‖û_i − û_j‖²) for the sampled rows S (global ids)
     against every row; gradient through the sampled rows and through every row j."""
 
@@ -194,7 +184,6 @@ class _SampledLogSum(_SavedGradient):
                 grad.mul_(factor).addmm_(weights.T, ru)
                 row_grad.mul_(factor)[b : b + block] = weights @ unit
         log_total = acc.log_total(group)
-        ctx.other_inputs = 6
         if want_grad:
             finite = torch.isfinite(log_total)  # else no sampled pair: the caller returns 0
             scale = acc.weight(log_total) * (2.0 * t) if finite else torch.zeros_like(acc.shift)
@@ -253,15 +242,15 @@ def row_uniformity(
     _check_t(t)
     if sample is not None and (not isinstance(sample, int) or isinstance(sample, bool) or sample < 1):
         raise ValueError(f"sample={sample!r}: expected None (exact) or an integer >= 1 (rows per step)")
-    parts = _split(weight, "row_uniformity")
-    with _no_autocast(parts.rows):
-        unit, valid = _unit_rows(parts, exclude_ids)
-        n = float(_valid_count(valid, parts.group))
+    parts = split_rows(weight, "row_uniformity")
+    with no_autocast(parts.rows):
+        unit, valid = unit_rows(parts, exclude_ids)
+        n = float(valid_count(valid, parts.group))
         zero = unit.sum(dtype=torch.float64) * 0.0
         if n < 2:
             return zero
         log_pairs = math.log(n * (n - 1))
-        excluded = _check_ids(exclude_ids, parts.total)
+        excluded = check_ids(exclude_ids, parts.total)
         population = parts.total - len(excluded)
         if sample is None or sample >= population:
             return _ExactLogSum.apply(unit, valid, parts.offset, parts.total, float(t), block, parts.group) - log_pairs
@@ -288,9 +277,9 @@ def pair_logsumexp(
     a NaN sum when `x` has a non-finite entry."""
     _check_block(block)
     _check_t(t)
-    with torch.no_grad(), _no_autocast(x):
+    with torch.no_grad(), no_autocast(x):
         full = x.detach().to(torch.float64)
-        unit, valid = _unit_rows(_Rows(full, 0, full.shape[0], None), ())
+        unit, valid = unit_rows(Rows(full, 0, full.shape[0], None), ())
         lo, hi, _ = (rows or slice(None)).indices(full.shape[0])
         flagged = _flagged(unit, valid)
         columns = (
