@@ -37,6 +37,8 @@ TABLE = [
     ("I(W) of the rare group", "aniso/frequency/rare/isotropy", False),
     ("mean cosine of the head's rows", "aniso/geometry/head/mean_cosine", False),
     ("mean cosine rare vs frequent rows", "aniso/frequency/rare_frequent_cosine", False),
+    ("uniformity of the head rows (Wang & Isola)", "aniso/uniformity/head", False),
+    ("uniformity of the last hidden states", "aniso/uniformity/hidden", False),
 ]
 
 

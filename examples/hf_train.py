@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     model.loss_type = "ForCausalLM"  # so the Trainer normalizes by the shifted-label count, as the loss does
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
-    config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval"))
+    config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval", "uniformity"))
     output_dir = a.output_dir or tempfile.mkdtemp(prefix=f"aniso_hf_{a.method}_")
     args = TrainingArguments(
         output_dir=output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch_size,

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train = torch.utils.data.DataLoader(train_ds, batch_size=a.batch_size, shuffle=True)
     valid = torch.utils.data.DataLoader(valid_ds, batch_size=a.batch_size)
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
-    config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval"))
+    config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval", "uniformity"))
     callback = AnisoCallback(config, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=a.steps, callbacks=[callback], logger=False, enable_checkpointing=False,
