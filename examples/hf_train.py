@@ -19,6 +19,7 @@ import torch
 from comparison import METHODS, add_run_arguments, print_table
 from corpus import train_valid
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
 
 from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
@@ -31,7 +32,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     add_run_arguments(p)
     p.add_argument("--output-dir", default=None)
     a = p.parse_args(argv)
+    trainer, metrics, vocab, tokens = train(METHODS[a.method], a, prefix=f"aniso_hf_{a.method}_")
+    print_table(f"{a.method}: vocabulary {vocab}, {tokens} training tokens", metrics, "eval_")
+    return metrics
 
+
+def train(method: dict, a: argparse.Namespace, prefix: str = "aniso_hf_", disable_tqdm: bool = False):
+    """Train the example's tiny GPT-2 with the `AnisoConfig` fields `method` under the run
+    arguments `a` (`add_run_arguments`, plus ``text_file`` and ``output_dir``); returns the
+    Trainer, the final metrics (`final_table`), the vocabulary size and the training tokens."""
     torch.manual_seed(a.seed)
     train_ds, valid_ds, vocab = train_valid(a.text_file, a.vocab_size, a.block)
 
@@ -43,21 +52,22 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     model.loss_type = "ForCausalLM"  # so the Trainer normalizes by the shifted-label count, as the loss does
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
-    config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval", "uniformity"))
-    output_dir = a.output_dir or tempfile.mkdtemp(prefix=f"aniso_hf_{a.method}_")
+    config = AnisoConfig(**{"metrics": ("geometry", "frequency", "eval", "uniformity"), **method})
+    output_dir = a.output_dir or tempfile.mkdtemp(prefix=prefix)
     args = TrainingArguments(
         output_dir=output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch_size,
         per_device_eval_batch_size=a.batch_size, learning_rate=3e-3, weight_decay=0.01, warmup_steps=a.steps // 10,
         lr_scheduler_type="cosine", logging_steps=max(1, a.steps // 8), eval_strategy="no", save_strategy="no",
-        report_to="none", use_cpu=True, seed=a.seed,
+        report_to="none", use_cpu=True, seed=a.seed, disable_tqdm=disable_tqdm,
     )
     trainer = Trainer(
         model=model, args=args, train_dataset=train_ds, eval_dataset=valid_ds, callbacks=[AnisoCallback(config)]
     )
+    if disable_tqdm:  # a caller that prints its own line per run: no log records on stdout either
+        trainer.remove_callback(PrinterCallback)
     trainer.train()
     metrics = final_table(trainer, trainer.evaluate())
-    print_table(f"{a.method}: vocabulary {vocab}, {len(train_ds) * a.block} training tokens", metrics, "eval_")
-    return metrics
+    return trainer, metrics, vocab, len(train_ds) * a.block
 
 
 def final_table(trainer: Trainer, eval_metrics: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,199 @@
+"""The reproduction study: every method on one corpus and one tiny model, several seeds, side by
+side (docs/results.md).
+
+    python examples/study.py                      # the full study: every method x 3 seeds
+    python examples/study.py --quick              # a smoke run: 3 methods x 1 seed, few steps
+
+Each run is the HF example (examples/hf_train.py: a tiny tied GPT-2 on Python's help text with
+a word-level vocabulary, through the real `transformers.Trainer` and one `AnisoCallback`), with
+the gradient-bottleneck probe on. Per run: validation perplexity overall and per frequency
+group, Uniq, I(W) raw and centred, I(W) of the rare group, mean cosine, rare-frequent cosine,
+effective rank, the lost fraction, wall time; and the trajectories of I(W), mean cosine and the
+rare group's I(W) over the logged steps. Writes into ``--output-dir``: ``runs.json`` (every
+run), ``study.md`` (mean ± std over seeds per method), and the plots ``trajectories.png``
+(I(W) and mean cosine against the step, every method), ``rare_isotropy.png`` (the rare group's
+I(W) over training, AGG paper Figure 2's quantity), ``tradeoff.png`` (perplexity against I(W))
+and, through the report module (`aniso_plugins.report`), ``spectrum.png``, ``cosines.png`` and
+``projection.png`` of the final heads of MLE and AGG (seed 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+from comparison import add_run_arguments
+from hf_train import train
+
+# name -> AnisoConfig fields; every run also measures the bottleneck probe
+STUDY: dict[str, dict] = {
+    "mle": dict(method="none"),
+    "agg": dict(method="agg", alpha=0.03),
+    "agg, no g1": dict(method="agg", alpha=0.03, agg_g1=False),
+    "agg, no g2": dict(method="agg", alpha=0.03, agg_g2=False),
+    "agg, static grouping": dict(method="agg", alpha=0.03, agg_static_after=50),
+    "freeze rare": dict(method="agg", alpha=0.03, agg_freeze_rare=True),
+    "cosreg": dict(method="cosreg", reg_weight=1.0),
+    "hinge": dict(method="hinge", reg_weight=1.0, hinge_margin=0.5, hinge_sample=256),
+    "spectrum": dict(method="spectrum", reg_weight=0.1, spectrum_prior="poly"),
+    "simctg": dict(method="simctg", simctg_weight=1.0, simctg_margin=0.5),
+    "uniformity": dict(method="uniformity", uniformity_weight=0.1, uniformity_sample=1024),
+    "untied head": dict(head="untie"),
+    **{f"low-rank r={r}": dict(head="lowrank", lowrank_rank=r) for r in (8, 16, 32, 64)},
+}
+QUICK = ("mle", "agg", "simctg")
+
+# (label, key in a run's final metrics); eval metrics carry the Trainer's "eval_" prefix
+COLUMNS = [
+    ("ppl", "eval_aniso/eval/ppl"),
+    ("ppl frequent", "eval_aniso/eval/ppl_frequent"),
+    ("ppl medium", "eval_aniso/eval/ppl_medium"),
+    ("ppl rare", "eval_aniso/eval/ppl_rare"),
+    ("Uniq", "eval_aniso/eval/uniq"),
+    ("I(W)", "aniso/geometry/head/isotropy"),
+    ("I(W) centred", "aniso/geometry/head/isotropy_centered"),
+    ("I(W) rare", "aniso/frequency/rare/isotropy"),
+    ("mean cosine", "aniso/geometry/head/mean_cosine"),
+    ("rare-frequent cosine", "aniso/frequency/rare_frequent_cosine"),
+    ("effective rank", "aniso/geometry/head/effective_rank"),
+    ("lost fraction", "aniso/bottleneck/lost_fraction"),
+    ("wall (s)", "wall_s"),
+]
+TRAJECTORIES = ("aniso/geometry/head/isotropy", "aniso/geometry/head/mean_cosine", "aniso/frequency/rare/isotropy")
+
+
+def one_run(name: str, seed: int, a: argparse.Namespace) -> tuple[dict, object]:
+    """Train `name` with `seed`; returns its record and the trained model."""
+    run_args = argparse.Namespace(**{**vars(a), "seed": seed, "output_dir": None})
+    method = {**STUDY[name], "metrics": ("geometry", "frequency", "eval", "bottleneck")}
+    start = time.perf_counter()
+    trainer, metrics, _, _ = train(method, run_args, prefix="aniso_study_", disable_tqdm=True)
+    wall = time.perf_counter() - start
+    history = {
+        key: [(row["step"], row[key]) for row in trainer.state.log_history if key in row] for key in TRAJECTORIES
+    }
+    record = {"method": name, "seed": seed, "wall_s": wall, "final": {**metrics, "wall_s": wall}, "history": history}
+    return record, trainer.model
+
+
+def mean_std(values: list[float]) -> str:
+    """"mean ± std" over seeds (sample std; the mean alone for one seed)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return "n/a"
+    mean = statistics.fmean(finite)
+    return f"{mean:.4g} ± {statistics.stdev(finite):.2g}" if len(finite) > 1 else f"{mean:.4g}"
+
+
+def summary_table(runs: list[dict]) -> str:
+    """Markdown: one row per method, mean ± std over its seeds for each column."""
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    lines = ["| method | seeds | " + " | ".join(label for label, _ in COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        cells = [mean_std([r["final"].get(key) for r in mine]) for _, key in COLUMNS]
+        lines.append(f"| {m} | {len(mine)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plots(runs: list[dict], directory: Path) -> list[str]:
+    """trajectories.png, rare_isotropy.png, tradeoff.png (seed-mean curves and points)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+
+    def curve(method: str, key: str) -> tuple[list[int], list[float]]:
+        series = [dict(r["history"][key]) for r in runs if r["method"] == method]
+        steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
+        return steps, [statistics.fmean(s[t] for s in series) for t in steps]
+
+    written = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for m in methods:
+        for ax, key in zip(axes, TRAJECTORIES[:2]):
+            ax.plot(*curve(m, key), marker=".", label=m)
+    axes[0].set(xlabel="optimizer step", ylabel="I(W) of the head (raw)", title="Isotropy over training")
+    axes[1].set(xlabel="optimizer step", ylabel="mean cosine of the head rows", title="Mean cosine over training")
+    axes[1].legend(fontsize=7, ncol=2)
+    written.append(_save(fig, plt, directory / "trajectories.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in methods:
+        ax.plot(*curve(m, TRAJECTORIES[2]), marker=".", label=m)
+    ax.set(xlabel="optimizer step", ylabel="I(W) of the rare group", title="Rare tokens' isotropy over training")
+    ax.legend(fontsize=7, ncol=2)
+    written.append(_save(fig, plt, directory / "rare_isotropy.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for m in methods:
+        mine = [r["final"] for r in runs if r["method"] == m]
+        x = [f.get("aniso/geometry/head/isotropy", math.nan) for f in mine]
+        y = [f.get("eval_aniso/eval/ppl", math.nan) for f in mine]
+        ax.scatter(x, y, label=m)
+    ax.set(xlabel="I(W) of the head (raw)", ylabel="validation perplexity", title="Perplexity against isotropy")
+    ax.legend(fontsize=7, ncol=2)
+    written.append(_save(fig, plt, directory / "tradeoff.png"))
+    return written
+
+
+def _save(fig, plt, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", choices=sorted(STUDY), default=None, help="default: all")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--text-file", default=None, help="train on this UTF-8 text instead of Python's help topics")
+    p.add_argument("--output-dir", default="study_out")
+    p.add_argument("--quick", action="store_true", help="smoke run: mle, agg, simctg, 1 seed, 16 steps, V=512")
+    add_run_arguments(p)
+    a = p.parse_args(argv)
+    methods = a.methods or list(STUDY)
+    if a.quick:
+        methods, a.seeds = list(QUICK), [0]
+        a.steps, a.vocab_size, a.batch_size, a.block = 16, 512, 8, 32
+    directory = Path(a.output_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    plan = [(m, s) for m in methods for s in a.seeds]
+    runs, finals = [], {}
+    started = time.perf_counter()
+    for i, (m, seed) in enumerate(plan, 1):
+        record, model = one_run(m, seed, a)
+        runs.append(record)
+        if seed == a.seeds[0] and m in ("mle", "agg"):
+            finals[m] = model
+        f = record["final"]
+        print(
+            f"[{i}/{len(plan)}] {m}, seed {seed}: ppl {f.get('eval_aniso/eval/ppl', math.nan):.2f}, "
+            f"I(W) {f.get('aniso/geometry/head/isotropy', math.nan):.3f} ({record['wall_s']:.0f} s; "
+            f"{time.perf_counter() - started:.0f} s so far)",
+            flush=True,
+        )
+    (directory / "runs.json").write_text(json.dumps(runs, indent=1))
+    total = time.perf_counter() - started
+    header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s"
+    (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs)}\n")
+    written = [str(directory / "runs.json"), str(directory / "study.md"), *plots(runs, directory)]
+    if finals:  # MLE next to AGG through the offline report: normalised spectrum and 2-D projection
+        from aniso_plugins.report import analyze, render_plots
+
+        report = analyze(list(finals.values()), names=list(finals), progress=False)
+        written += render_plots(report, directory)
+    print("\n".join(written))
+    return written
+
+
+if __name__ == "__main__":
+    main()
