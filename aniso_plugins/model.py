@@ -132,6 +132,20 @@ class ModelHandle:
         """The transformer blocks, in order (empty if unknown)."""
         return list(_get(self.model, self._blocks)) if self._blocks else []
 
+    def hook_blocks(self, make_hook: Callable[[int], Callable], who: str) -> int:
+        """Register ``make_hook(i)`` as a forward hook on block i of every block, each removed by
+        `restore`; returns the number of blocks. `who` names the caller in the `SetupError`
+        raised when the handle knows no blocks."""
+        blocks = self.blocks()
+        if not blocks:
+            raise SetupError(
+                f"{who} needs the transformer blocks: build the ModelHandle with "
+                "blocks='<path of the nn.ModuleList of blocks>'"
+            )
+        for i, block in enumerate(blocks):
+            self.on_restore(block.register_forward_hook(make_hook(i)).remove)
+        return len(blocks)
+
     @property
     def vocab_size(self) -> int:
         return self.head().weight.shape[0]

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, StepInfo, TrainingSession, causal_targets
 from aniso_plugins.simctg import simctg_loss, simctg_pair_count, simctg_pair_sums
 from dist_utils import run_distributed
+from test_regularizers import _LargestTensor
 from token_data import TokenDataset
 
 IGNORE = -100
@@ -142,19 +142,6 @@ def test_bf16_input_is_computed_in_float32():
     assert x.grad.dtype == torch.bfloat16
     assert abs(loss.item() - ref.item()) <= 2e-6 * ref.item()  # bf16 cosines would err by ~1e-3
     torch.testing.assert_close(x.grad.double(), y.grad, rtol=2e-2, atol=1e-4)  # the gradient is rounded to bf16
-
-
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def test_memory_is_batch_times_length_times_block():

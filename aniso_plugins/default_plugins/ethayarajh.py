@@ -40,7 +40,7 @@ from ..ethayarajh import (
     word_counts,
 )
 from ..hookspecs import hookimpl
-from ..model import ModelHandle, SetupError
+from ..model import ModelHandle
 from ..plugins import logger
 from ..reduce import Stat, reduce_stats
 from ..steps import StepInfo
@@ -56,7 +56,7 @@ class EthayarajhPlugin:
     def __init__(self, config: AnisoConfig) -> None:
         self.config = config
         self.model: ModelHandle | None = None
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.layers = 0
         self._active = False
         self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, counted)
         self._words: WordSet | None = None
@@ -66,16 +66,8 @@ class EthayarajhPlugin:
 
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        blocks = model.blocks()
-        if not blocks:
-            raise SetupError(
-                "EthayarajhPlugin ('ethayarajh' in metrics) needs the transformer blocks: build the "
-                "ModelHandle with blocks='<path of the nn.ModuleList of blocks>'"
-            )
+        self.layers = model.hook_blocks(self._hook, "EthayarajhPlugin ('ethayarajh' in metrics)")
         self.model = model
-        self.handles = [block.register_forward_hook(self._hook(i)) for i, block in enumerate(blocks)]
-        for handle in self.handles:
-            model.on_restore(handle.remove)
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
@@ -142,7 +134,7 @@ class EthayarajhPlugin:
         words = self._words if self._words is not None else choose_words(torch.zeros(0, dtype=torch.int64), 1)
         device = self.model.head().weight.device
         stats: dict[str, Stat] = {}
-        for i in range(len(self.handles)):
+        for i in range(self.layers):
             prefix = f"{PREFIX}layer_{i}/"
             stats |= self._stats.get(i) or empty_layer_stats(words, self.model.hidden_size, device, prefix)
         return stats
@@ -152,7 +144,7 @@ class EthayarajhPlugin:
         if kind != "train":
             return None
         out: dict[str, float] = {}
-        for i in range(len(self.handles)):
+        for i in range(self.layers):
             prefix = f"{PREFIX}layer_{i}/"
             nonfinite = int(reduced[prefix + "nonfinite"])
             if nonfinite:

@@ -29,7 +29,7 @@ from ..config import AnisoConfig
 from ..distributed import rank_and_world
 from ..geometry import mean_cosine_finish, mean_cosine_stats
 from ..hookspecs import hookimpl
-from ..model import ModelHandle, SetupError
+from ..model import ModelHandle
 from ..reduce import Stat
 from ..steps import StepInfo
 
@@ -41,7 +41,7 @@ class HiddenStatesPlugin:
 
     def __init__(self, config: AnisoConfig) -> None:
         self.config = config
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.layers = 0
         self.model: ModelHandle | None = None
         self._active = False
         self._targets: torch.Tensor | None = None
@@ -51,16 +51,8 @@ class HiddenStatesPlugin:
 
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        blocks = model.blocks()
-        if not blocks:
-            raise SetupError(
-                "HiddenStatesPlugin ('hidden' in metrics) needs the transformer blocks: build the "
-                "ModelHandle with blocks='<path of the nn.ModuleList of blocks>'"
-            )
+        self.layers = model.hook_blocks(self._hook, "HiddenStatesPlugin ('hidden' in metrics)")
         self.model = model
-        self.handles = [block.register_forward_hook(self._hook(i)) for i, block in enumerate(blocks)]
-        for handle in self.handles:
-            model.on_restore(handle.remove)
         self._generator = torch.Generator().manual_seed(rank_and_world()[0])
 
     @hookimpl
@@ -104,7 +96,7 @@ class HiddenStatesPlugin:
             raise RuntimeError("HiddenStatesPlugin: aniso_setup(model, config) must run first")
         stats: dict[str, Stat] = {}
         device = self.model.head().weight.device
-        for i in range(len(self.handles)):
+        for i in range(self.layers):
             stats |= self._stats.get(i) or mean_cosine_stats(
                 torch.zeros(0, self.model.hidden_size, device=device), f"hidden/layer_{i}/"
             )
@@ -116,7 +108,7 @@ class HiddenStatesPlugin:
     ) -> dict[str, float] | None:
         if kind != "train":
             return None
-        layers = range(len(self.handles))
+        layers = range(self.layers)
         out = {f"hidden/layer_{i}/mean_cosine": mean_cosine_finish(reduced, f"hidden/layer_{i}/") for i in layers}
         self._stats = {}
         return out
