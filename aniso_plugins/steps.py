@@ -57,6 +57,11 @@ class StepInfo:
         """True on the micro-batch after which the optimizer steps."""
         return self.micro_batch == self.accumulation_steps - 1
 
+    def generator(self) -> torch.Generator:
+        """A CPU generator seeded from (step, micro-batch): the same draws on every rank and on
+        a resumed run (the sampled regularizers' rows)."""
+        return torch.Generator().manual_seed(self.step * 65_536 + self.micro_batch)
+
 
 def optimizer_steps_per_epoch(batches: object, accumulation_steps: int) -> int | None:
     """Optimizer steps in one epoch of `batches` micro-batches (a number, or a sized object such

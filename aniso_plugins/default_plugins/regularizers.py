@@ -69,7 +69,7 @@ class RegularizerPlugin:
         if self.method == "hinge":
             generator = None
             if cfg.hinge_sample is not None:
-                generator = torch.Generator().manual_seed(step.step * 65_536 + step.micro_batch)
+                generator = step.generator()
             return cosine_hinge(
                 weight,
                 cfg.hinge_margin,

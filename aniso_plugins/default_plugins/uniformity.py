@@ -84,7 +84,7 @@ class UniformityPlugin:
         cfg = self.config
         generator = None
         if cfg.uniformity_sample is not None:
-            generator = torch.Generator().manual_seed(step.step * 65_536 + step.micro_batch)
+            generator = step.generator()
         return row_uniformity(
             weight,
             cfg.uniformity_t,
