@@ -35,6 +35,17 @@ def tokenize(text: str, vocab_size: int) -> tuple[torch.Tensor, list[str]]:
     return torch.tensor([index.get(w, 0) for w in words], dtype=torch.long), vocab
 
 
+class WordTokenizer:
+    """The vocabulary as a tokenizer for the offline report (`aniso_plugins.report.analyze`'s
+    ``tokenizer=``): ``tokenizer(text, add_special_tokens=False)["input_ids"]``, unknown words -> 0."""
+
+    def __init__(self, vocab: list[str]):
+        self.index = {w: i for i, w in enumerate(vocab)}
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        return {"input_ids": [self.index.get(w, 0) for w in _TOKEN.findall(text)]}
+
+
 class Blocks(torch.utils.data.Dataset):
     """Consecutive blocks of `length` ids as ``{"input_ids", "labels"}`` (labels = inputs; the
     model or the callback shifts them)."""

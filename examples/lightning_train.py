@@ -37,6 +37,12 @@ class CausalLM(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         self.lm_head.weight = self.embed.weight
+        # GPT-2's initialisation, N(0, 0.02²) for every weight: with nn.Embedding's default N(0, 1)
+        # the tied rows start at norm ~√d and training barely moves them off their random (isotropic)
+        # directions, so plain MLE would show no degeneration at all in 400 steps
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed(ids) + self.position(torch.arange(ids.shape[1], device=ids.device))

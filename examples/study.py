@@ -13,8 +13,11 @@ rare group's I(W) over the logged steps. Writes into ``--output-dir``: ``runs.js
 run), ``study.md`` (mean ± std over seeds per method), and the plots ``trajectories.png``
 (I(W) and mean cosine against the step, every method), ``rare_isotropy.png`` (the rare group's
 I(W) over training, AGG paper Figure 2's quantity), ``tradeoff.png`` (perplexity against I(W))
-and, through the report module (`aniso_plugins.report`), ``spectrum.png``, ``cosines.png`` and
-``projection.png`` of the final heads of MLE and AGG (seed 0).
+and, through the report module (`aniso_plugins.report`, the corpus as its text), ``report/`` with
+``spectrum.png``, ``projection.png`` (rows coloured by frequency group), ``cosines.png``,
+``layers.png`` and ``norm_frequency.png`` of the final MLE and AGG models (seed 0, saved in
+``models/``). ``runs.json`` is written after every run; running the same command again resumes
+(``--fresh`` starts over).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ STUDY: dict[str, dict] = {
     **{f"low-rank r={r}": dict(head="lowrank", lowrank_rank=r) for r in (8, 16, 32, 64)},
 }
 QUICK = ("mle", "agg", "simctg")
+REPORTED = ("mle", "agg")  # seed 0 of these is saved and compared through the report module
 
 # (label, key in a run's final metrics); eval metrics carry the Trainer's "eval_" prefix
 COLUMNS = [
@@ -151,6 +155,23 @@ def _save(fig, plt, path: Path) -> str:
     return str(path)
 
 
+def settings_of(a: argparse.Namespace) -> dict:
+    """What makes two runs of one method and seed the same run (for resuming)."""
+    keys = ("steps", "vocab_size", "block", "batch_size", "d_model", "layers", "text_file")
+    return {k: getattr(a, k) for k in keys}
+
+
+def load_done(path: Path, settings: dict) -> list[dict]:
+    """The runs already in `path` made with `settings` (an interrupted study resumes from them)."""
+    if not path.exists():
+        return []
+    try:
+        runs = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot resume from {path} ({e}); move it away or pick another --output-dir") from None
+    return [r for r in runs if r.get("settings") == settings]
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=sorted(STUDY), default=None, help="default: all")
@@ -158,6 +179,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--text-file", default=None, help="train on this UTF-8 text instead of Python's help topics")
     p.add_argument("--output-dir", default="study_out")
     p.add_argument("--quick", action="store_true", help="smoke run: mle, agg, simctg, 1 seed, 16 steps, V=512")
+    p.add_argument("--fresh", action="store_true", help="ignore the runs already in --output-dir/runs.json")
     add_run_arguments(p)
     a = p.parse_args(argv)
     methods = a.methods or list(STUDY)
@@ -166,14 +188,24 @@ def main(argv: list[str] | None = None) -> list[str]:
         a.steps, a.vocab_size, a.batch_size, a.block = 16, 512, 8, 32
     directory = Path(a.output_dir)
     directory.mkdir(parents=True, exist_ok=True)
+    settings = settings_of(a)
     plan = [(m, s) for m in methods for s in a.seeds]
-    runs, finals = [], {}
+    done = {} if a.fresh else {(r["method"], r["seed"]): r for r in load_done(directory / "runs.json", settings)}
+    if done:
+        print(f"resuming: {sum(k in done for k in plan)} of {len(plan)} runs already in {directory / 'runs.json'}")
+    runs = []
     started = time.perf_counter()
     for i, (m, seed) in enumerate(plan, 1):
+        if (m, seed) in done and (seed != a.seeds[0] or m not in REPORTED or (directory / "models" / m).is_dir()):
+            runs.append(done[(m, seed)])
+            continue
         record, model = one_run(m, seed, a)
+        record["settings"] = settings
         runs.append(record)
-        if seed == a.seeds[0] and m in ("mle", "agg"):
-            finals[m] = model
+        if seed == a.seeds[0] and m in REPORTED:  # kept for the report (not part of the results)
+            model.save_pretrained(directory / "models" / m)
+        # written after every run, so an interrupted study loses at most the run in progress
+        (directory / "runs.json").write_text(json.dumps(runs + [r for k, r in done.items() if k not in plan], indent=1))
         f = record["final"]
         print(
             f"[{i}/{len(plan)}] {m}, seed {seed}: ppl {f.get('eval_aniso/eval/ppl', math.nan):.2f}, "
@@ -182,17 +214,30 @@ def main(argv: list[str] | None = None) -> list[str]:
             flush=True,
         )
     (directory / "runs.json").write_text(json.dumps(runs, indent=1))
-    total = time.perf_counter() - started
-    header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s"
+    total = sum(r["wall_s"] for r in runs)
+    header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s of training"
     (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs)}\n")
     written = [str(directory / "runs.json"), str(directory / "study.md"), *plots(runs, directory)]
-    if finals:  # MLE next to AGG through the offline report: normalised spectrum and 2-D projection
-        from aniso_plugins.report import analyze, render_plots
-
-        report = analyze(list(finals.values()), names=list(finals), progress=False)
-        written += render_plots(report, directory)
+    reported = [m for m in REPORTED if m in methods]
+    if reported:  # MLE next to AGG through the offline report, rows coloured by the corpus's frequency groups
+        written += report_plots([directory / "models" / m for m in reported], reported, a, directory)
     print("\n".join(written))
     return written
+
+
+def report_plots(paths: list[Path], names: list[str], a: argparse.Namespace, directory: Path) -> list[str]:
+    """spectrum.png, cosines.png, projection.png, layers.png, norm_frequency.png and report.md of
+    the saved heads, with the whole corpus as the text (its counts give the frequency groups)."""
+    from corpus import WordTokenizer, load_text, tokenize
+
+    from aniso_plugins.report import analyze
+
+    text = load_text(a.text_file)
+    ids, vocab = tokenize(text, a.vocab_size)
+    report = analyze([str(p) for p in paths], names=names, text=text, tokenizer=WordTokenizer(vocab),
+                     max_tokens=len(ids), progress=False)  # fmt: skip
+    report_dir = directory / "report"
+    return report.write(report_dir)
 
 
 if __name__ == "__main__":

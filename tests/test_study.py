@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ("runs.json", "study.md", "trajectories.png", "rare_isotropy.png", "tradeoff.png", "spectrum.png", "projection.png")
+FILES = ("runs.json", "study.md", "trajectories.png", "rare_isotropy.png", "tradeoff.png", "report/spectrum.png",
+         "report/projection.png", "report/norm_frequency.png")
 
 
 def test_quick_study_writes_every_file(tmp_path):
@@ -37,3 +38,16 @@ def test_quick_study_writes_every_file(tmp_path):
     for name in FILES[2:]:
         with Image.open(out / name) as image:
             assert image.size[0] > 100, name
+    report = json.loads((out / "report" / "report.json").read_text())
+    assert [m["name"] for m in report["models"]] == ["mle", "agg"]
+    sizes = report["models"][0]["text"]["group_sizes"]  # the projection's colours: every row in one group
+    assert sum(sizes.values()) == 512 and min(sizes.values()) > 0
+
+    # the same command again resumes: nothing is retrained, the runs are kept as they were
+    again = subprocess.run(
+        [sys.executable, "examples/study.py", "--quick", "--output-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming: 3 of 3 runs" in again.stdout and "[1/3]" not in again.stdout
+    assert json.loads((out / "runs.json").read_text()) == runs
