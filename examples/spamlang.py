@@ -4,7 +4,7 @@ that has seen the token once can predict every later position, so accuracy on th
 ≥ 2 measures how well the LM head learned; the seed reports that this gets harder as the
 vocabulary V grows at a fixed width D, which it attributes to the gradient bottleneck.
 
-    python examples/spamlang.py                 # both sweeps (V at fixed D, then D at fixed V)
+    python examples/spamlang.py                 # both sweeps (V at fixed D, then D at fixed V), 3 seeds
     python examples/spamlang.py --quick         # a smoke run: 2 + 2 tiny runs, a few steps
 
 Each run trains a tiny tied GPT-2 through the real HF Trainer with an `AnisoCallback` whose
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -80,12 +81,12 @@ def accuracy_and_loss(model: torch.nn.Module, data: SpamLang, batch: int = 64) -
     return hits / total, nll / total
 
 
-def run(vocab: int, d: int, args: argparse.Namespace) -> dict[str, float]:
-    """One SpamLang run at vocabulary `vocab` and head rank or width `d`."""
+def run(vocab: int, d: int, seed: int, args: argparse.Namespace) -> dict[str, float]:
+    """One SpamLang run at vocabulary `vocab`, head rank or width `d` and `seed`."""
     width = d if args.d_mode == "width" else args.width
     if d > width:
         raise ValueError(f"D={d} > --width {width}: a low-rank head's rank is at most the width; raise --width")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = GPT2LMHeadModel(
         GPT2Config(vocab_size=vocab, n_positions=args.length, n_embd=width, n_layer=args.layers, n_head=2,
                    bos_token_id=BOS, eos_token_id=BOS)
@@ -93,15 +94,15 @@ def run(vocab: int, d: int, args: argparse.Namespace) -> dict[str, float]:
     model.loss_type = "ForCausalLM"
     head = dict(head="lowrank", lowrank_rank=d, lowrank_init="random") if args.d_mode == "rank" and d < width else {}
     config = AnisoConfig(metrics=("bottleneck",), **head)
-    train = SpamLang(vocab, args.steps * args.batch_size, args.length, seed=args.seed)
-    valid = SpamLang(vocab, args.valid, args.length, seed=args.seed + 1)
+    train = SpamLang(vocab, args.steps * args.batch_size, args.length, seed=seed)
+    valid = SpamLang(vocab, args.valid, args.length, seed=seed + 1)
     out = tempfile.mkdtemp(prefix="aniso_spamlang_")
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
             output_dir=out, max_steps=args.steps, per_device_train_batch_size=args.batch_size, learning_rate=args.lr,
             warmup_steps=args.steps // 10, lr_scheduler_type="cosine", logging_steps=args.steps, logging_first_step=True,
-            save_strategy="no", report_to="none", use_cpu=True, seed=args.seed, disable_tqdm=True,
+            save_strategy="no", report_to="none", use_cpu=True, seed=seed, disable_tqdm=True,
         ),
         train_dataset=train,
         callbacks=[AnisoCallback(config)],
@@ -113,7 +114,7 @@ def run(vocab: int, d: int, args: argparse.Namespace) -> dict[str, float]:
     lost = [row["aniso/bottleneck/lost_fraction"] for row in trainer.state.log_history if "aniso/bottleneck/lost_fraction" in row]
     accuracy, loss = accuracy_and_loss(trainer.model, valid)
     return {
-        "vocab": vocab, "d": d, "width": width, "accuracy": accuracy, "loss": loss, "coverage": train.coverage(),
+        "vocab": vocab, "d": d, "seed": seed, "width": width, "accuracy": accuracy, "loss": loss, "coverage": train.coverage(),
         "lost_fraction_start": lost[0] if lost else float("nan"), "lost_fraction_end": lost[-1] if lost else float("nan"),
         "one_minus_d_over_v": 1 - d / vocab, "wall_s": wall,
     }  # fmt: skip
@@ -123,17 +124,19 @@ COLUMNS = ("vocab", "d", "accuracy", "loss", "coverage", "lost_fraction_start", 
 
 
 def write_outputs(results: list[dict], directory: str, title: str) -> list[str]:
-    """spamlang.json, spamlang.md (a table per sweep) and spamlang.png (accuracy against V/D)."""
+    """spamlang.json (every run), spamlang.md (a table per sweep, mean ± std over seeds) and
+    spamlang.png (accuracy against V/D, seed mean with the seeds' spread as error bars)."""
     os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, name) for name in ("spamlang.json", "spamlang.md", "spamlang.png")]
     with open(paths[0], "w") as f:
         json.dump(results, f, indent=1)
     lines = [f"# {title}", ""]
     for sweep in ("vocab", "d"):
-        rows = [r for r in results if r["sweep"] == sweep]
         lines += [f"## sweep over {'V at fixed D' if sweep == 'vocab' else 'D at fixed V'}", "",
-                  "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]  # fmt: skip
-        lines += ["| " + " | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in COLUMNS) + " |" for r in rows]
+                  "| " + " | ".join(COLUMNS) + " | seeds |", "|" + "---|" * (len(COLUMNS) + 1)]  # fmt: skip
+        for runs in _points(results, sweep):
+            cells = [_mean_std([r[c] for r in runs]) if isinstance(runs[0][c], float) else str(runs[0][c]) for c in COLUMNS]
+            lines.append("| " + " | ".join(cells) + f" | {len(runs)} |")
         lines.append("")
     with open(paths[1], "w") as f:
         f.write("\n".join(lines))
@@ -144,10 +147,17 @@ def write_outputs(results: list[dict], directory: str, title: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for sweep, marker in (("vocab", "o"), ("d", "s")):
-        rows = sorted((r for r in results if r["sweep"] == sweep), key=lambda r: r["vocab"] / r["d"])
-        label = "V varies, D fixed" if sweep == "vocab" else "D varies, V fixed"
-        ax.plot([r["vocab"] / r["d"] for r in rows], [r["accuracy"] for r in rows], marker=marker, label=label)
-    ax.set(xscale="log", xlabel="V / D", ylabel="accuracy on positions ≥ 2", ylim=(-0.02, 1.02), title=title)
+        points = sorted(_points(results, sweep), key=lambda runs: runs[0]["vocab"] / runs[0]["d"])
+        acc = [[r["accuracy"] for r in runs] for runs in points]
+        spread = [statistics.stdev(a) if len(a) > 1 else 0.0 for a in acc]
+        if not points:
+            continue
+        first = points[0][0]
+        label = f"V varies, D = {first['d']}" if sweep == "vocab" else f"D varies, V = {first['vocab']}"
+        ax.errorbar([runs[0]["vocab"] / runs[0]["d"] for runs in points], [statistics.fmean(a) for a in acc],
+                    yerr=spread, marker=marker, capsize=3, label=label)  # fmt: skip
+    ax.set(xscale="log", xlabel="V / D", ylabel="accuracy on positions ≥ 2", ylim=(-0.02, 1.02))
+    ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(paths[2], dpi=120)
@@ -155,12 +165,27 @@ def write_outputs(results: list[dict], directory: str, title: str) -> list[str]:
     return paths
 
 
+def _points(results: list[dict], sweep: str) -> list[list[dict]]:
+    """The runs of one sweep grouped by (V, D), in sweep order; each group holds its seeds."""
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in results:
+        if r["sweep"] == sweep:
+            groups.setdefault((r["vocab"], r["d"]), []).append(r)
+    return list(groups.values())
+
+
+def _mean_std(values: list[float]) -> str:
+    """"mean ± sample std" over seeds; the value alone for one seed."""
+    mean = statistics.fmean(values)
+    return f"{mean:.4g} ± {statistics.stdev(values):.2g}" if len(values) > 1 else f"{mean:.4g}"
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vocabs", type=int, nargs="+", default=[512, 2048, 8192, 32768], help="V of the V sweep")
     p.add_argument("--fixed-d", type=int, default=16, help="D of the V sweep")
     p.add_argument("--ds", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="D of the D sweep")
-    p.add_argument("--fixed-vocab", type=int, default=8192, help="V of the D sweep")
+    p.add_argument("--fixed-vocab", type=int, default=2048, help="V of the D sweep (small enough that coverage is ~1)")
     p.add_argument("--d-mode", choices=("rank", "width"), default="rank", help="D as a low-rank head's rank, or as the width")
     p.add_argument("--width", type=int, default=128, help="backbone width when --d-mode rank")
     p.add_argument("--layers", type=int, default=2)
@@ -169,21 +194,22 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--valid", type=int, default=512, help="held-out sequences")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--output-dir", default="spamlang_out")
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny sweeps, a few steps")
     a = p.parse_args(argv)
     if a.quick:
         a.vocabs, a.fixed_d, a.ds, a.fixed_vocab = [64, 256], 8, [4, 8], 128
-        a.width, a.steps, a.batch_size, a.valid, a.length = 16, 4, 8, 16, 8
+        a.width, a.steps, a.batch_size, a.valid, a.length, a.seeds = 16, 4, 8, 16, 8, [0]
     plan = [("vocab", v, a.fixed_d) for v in a.vocabs] + [("d", a.fixed_vocab, d) for d in a.ds]
+    plan = [(sweep, vocab, d, seed) for sweep, vocab, d in plan for seed in a.seeds]
     results = []
-    for i, (sweep, vocab, d) in enumerate(plan, 1):
-        result = {"sweep": sweep, **run(vocab, d, a)}
+    for i, (sweep, vocab, d, seed) in enumerate(plan, 1):
+        result = {"sweep": sweep, **run(vocab, d, seed, a)}
         results.append(result)
-        print(f"[{i}/{len(plan)}] V={vocab} D={d}: accuracy {result['accuracy']:.3f}, coverage {result['coverage']:.3f}, "
-              f"lost {result['lost_fraction_start']:.3f} -> {result['lost_fraction_end']:.3f} ({result['wall_s']:.0f} s)")  # fmt: skip
-    title = f"SpamLang, {a.d_mode} D, {a.steps} steps x {a.batch_size} sequences of {a.length}"
+        print(f"[{i}/{len(plan)}] V={vocab} D={d} seed {seed}: accuracy {result['accuracy']:.3f}, coverage {result['coverage']:.3f}, "
+              f"lost {result['lost_fraction_start']:.3f} -> {result['lost_fraction_end']:.3f} ({result['wall_s']:.0f} s)", flush=True)  # fmt: skip
+    title = f"SpamLang, {a.d_mode} D, {a.steps} steps x {a.batch_size} sequences of {a.length}, seeds {a.seeds}"
     paths = write_outputs(results, a.output_dir, title)
     print("\n".join(paths))
     return paths

@@ -12,7 +12,8 @@ effective rank, the lost fraction, wall time; and the trajectories of I(W), mean
 rare group's I(W) over the logged steps. Writes into ``--output-dir``: ``runs.json`` (every
 run), ``study.md`` (mean ± std over seeds per method), and the plots ``trajectories.png``
 (I(W) and mean cosine against the step, every method), ``rare_isotropy.png`` (the rare group's
-I(W) over training, AGG paper Figure 2's quantity), ``tradeoff.png`` (perplexity against I(W))
+I(W) over training, AGG paper Figure 2's quantity), ``groups.png`` (each frequency group's
+I(W) and the rare-frequent cosine over training for MLE, Freeze and AGG), ``tradeoff.png`` (perplexity against I(W))
 and, through the report module (`aniso_plugins.report`, the corpus as its text), ``report/`` with
 ``spectrum.png``, ``projection.png`` (rows coloured by frequency group), ``cosines.png``,
 ``layers.png`` and ``norm_frequency.png`` of the final MLE and AGG models (seed 0, saved in
@@ -39,7 +40,7 @@ STUDY: dict[str, dict] = {
     "agg": dict(method="agg", alpha=0.03),
     "agg, no g1": dict(method="agg", alpha=0.03, agg_g1=False),
     "agg, no g2": dict(method="agg", alpha=0.03, agg_g2=False),
-    "agg, static grouping": dict(method="agg", alpha=0.03, agg_static_after=50),
+    "agg, static grouping": dict(method="agg", alpha=0.03, agg_static_after=100),  # fixed after 1 epoch (Table 9)
     "freeze rare": dict(method="agg", alpha=0.03, agg_freeze_rare=True),
     "cosreg": dict(method="cosreg", reg_weight=1.0),
     "hinge": dict(method="hinge", reg_weight=1.0, hinge_margin=0.5, hinge_sample=256),
@@ -47,7 +48,8 @@ STUDY: dict[str, dict] = {
     "simctg": dict(method="simctg", simctg_weight=1.0, simctg_margin=0.5),
     "uniformity": dict(method="uniformity", uniformity_weight=0.1, uniformity_sample=1024),
     "untied head": dict(head="untie"),
-    **{f"low-rank r={r}": dict(head="lowrank", lowrank_rank=r) for r in (8, 16, 32, 64)},
+    # r < d = 64: a rank-64 factor of a width-64 model is no bottleneck (the library refuses it)
+    **{f"low-rank r={r}": dict(head="lowrank", lowrank_rank=r) for r in (8, 16, 32)},
 }
 QUICK = ("mle", "agg", "simctg")
 REPORTED = ("mle", "agg")  # seed 0 of these is saved and compared through the report module
@@ -68,7 +70,11 @@ COLUMNS = [
     ("lost fraction", "aniso/bottleneck/lost_fraction"),
     ("wall (s)", "wall_s"),
 ]
-TRAJECTORIES = ("aniso/geometry/head/isotropy", "aniso/geometry/head/mean_cosine", "aniso/frequency/rare/isotropy")
+TRAJECTORIES = (
+    "aniso/geometry/head/isotropy", "aniso/geometry/head/mean_cosine", "aniso/frequency/rare/isotropy",
+    "aniso/frequency/medium/isotropy", "aniso/frequency/frequent/isotropy", "aniso/frequency/rare_frequent_cosine",
+    "aniso/bottleneck/lost_fraction",
+)  # fmt: skip
 
 
 def one_run(name: str, seed: int, a: argparse.Namespace) -> tuple[dict, object]:
@@ -106,13 +112,15 @@ def summary_table(runs: list[dict]) -> str:
 
 
 def plots(runs: list[dict], directory: Path) -> list[str]:
-    """trajectories.png, rare_isotropy.png, tradeoff.png (seed-mean curves and points)."""
+    """trajectories.png, rare_isotropy.png, groups.png, tradeoff.png (seed-mean curves and points)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     methods = list(dict.fromkeys(r["method"] for r in runs))
+    colors = plt.cm.tab20.colors[::2] + plt.cm.tab20.colors[1::2]  # ten hues, then their light shades
+    palette = dict(zip(methods, colors))  # one colour per method (up to 20)
 
     def curve(method: str, key: str) -> tuple[list[int], list[float]]:
         series = [dict(r["history"][key]) for r in runs if r["method"] == method]
@@ -123,7 +131,7 @@ def plots(runs: list[dict], directory: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for m in methods:
         for ax, key in zip(axes, TRAJECTORIES[:2]):
-            ax.plot(*curve(m, key), marker=".", label=m)
+            ax.plot(*curve(m, key), marker=".", color=palette[m], label=m)
     axes[0].set(xlabel="optimizer step", ylabel="I(W) of the head (raw)", title="Isotropy over training")
     axes[1].set(xlabel="optimizer step", ylabel="mean cosine of the head rows", title="Mean cosine over training")
     axes[1].legend(fontsize=7, ncol=2)
@@ -131,17 +139,30 @@ def plots(runs: list[dict], directory: Path) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for m in methods:
-        ax.plot(*curve(m, TRAJECTORIES[2]), marker=".", label=m)
+        ax.plot(*curve(m, TRAJECTORIES[2]), marker=".", color=palette[m], label=m)
     ax.set(xlabel="optimizer step", ylabel="I(W) of the rare group", title="Rare tokens' isotropy over training")
     ax.legend(fontsize=7, ncol=2)
     written.append(_save(fig, plt, directory / "rare_isotropy.png"))
+
+    shown = [m for m in ("mle", "freeze rare", "agg") if m in methods]
+    if shown:  # AGG paper Figure 2's view: each group's I(W) and the rare-frequent cosine over training
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for color, m in zip(("tab:red", "tab:green", "tab:blue"), shown):
+            for group, style in (("frequent", "-"), ("medium", "--"), ("rare", ":")):
+                axes[0].plot(*curve(m, f"aniso/frequency/{group}/isotropy"), style, color=color, label=f"{m}, {group}")
+            axes[1].plot(*curve(m, "aniso/frequency/rare_frequent_cosine"), color=color, marker=".", label=m)
+        axes[0].set(xlabel="optimizer step", ylabel="I(W) of the group's rows", title="Isotropy per frequency group")
+        axes[1].set(xlabel="optimizer step", ylabel="mean cosine, rare vs frequent rows", title="Rare-frequent similarity")
+        axes[0].legend(fontsize=7, ncol=len(shown))
+        axes[1].legend(fontsize=8)
+        written.append(_save(fig, plt, directory / "groups.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for m in methods:
         mine = [r["final"] for r in runs if r["method"] == m]
         x = [f.get("aniso/geometry/head/isotropy", math.nan) for f in mine]
         y = [f.get("eval_aniso/eval/ppl", math.nan) for f in mine]
-        ax.scatter(x, y, label=m)
+        ax.scatter(x, y, color=palette[m], label=m)
     ax.set(xlabel="I(W) of the head (raw)", ylabel="validation perplexity", title="Perplexity against isotropy")
     ax.legend(fontsize=7, ncol=2)
     written.append(_save(fig, plt, directory / "tradeoff.png"))

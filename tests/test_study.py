@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FILES = ("runs.json", "study.md", "trajectories.png", "rare_isotropy.png", "tradeoff.png", "report/spectrum.png",
+FILES = ("runs.json", "study.md", "trajectories.png", "rare_isotropy.png", "groups.png", "tradeoff.png", "report/spectrum.png",
          "report/projection.png", "report/norm_frequency.png")
 
 
