@@ -62,6 +62,16 @@ def _blocks(rows: torch.Tensor) -> Iterator[torch.Tensor]:
         yield block.to(torch.float64)
 
 
+def nonfinite_count(rows: torch.Tensor) -> torch.Tensor:
+    """Number of NaN or ±inf entries of `rows` (float64, 0-d), counted `BLOCK_ROWS` rows at a
+    time: the temporary is one block's boolean mask, not the (V, d) int64 copy that
+    ``(~torch.isfinite(rows)).sum()`` makes (4 GiB at V = 131072, d = 4096; docs/performance.md §7.7)."""
+    total = torch.zeros((), dtype=torch.int64, device=rows.device)
+    for block in rows.split(BLOCK_ROWS):
+        total += torch.count_nonzero(~torch.isfinite(block))
+    return total.to(torch.float64)
+
+
 def _count(n: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(n, dtype=torch.float64, device=device).reshape(())
 
@@ -371,6 +381,7 @@ __all__ = [
     "mean_stats",
     "moment_stats",
     "moments",
+    "nonfinite_count",
     "normalized_singular_values",
     "principal_variance_share",
     "singular_entropy",

@@ -4,13 +4,13 @@
     python benchmarks/agg.py                       # N=4096, d=768, V=50304, fp32, 2 threads
     python benchmarks/agg.py --tokens 512 --dim 64 --vocab 4096 --rounds 1 --counter-steps 30 \
         --window 10 --counter-tokens 1000                                 # smoke run
+    python benchmarks/agg.py --device cuda --dtype bf16                   # GPU: CUDA events, allocator peaks
 
 Method (docs/performance.md §4, §6.2; the machine is shared and loaded, so absolute seconds vary 2-4×):
-- memory: each variant in a fresh subprocess; peak resident set size during its first step
-  (``ru_maxrss`` after it) minus the resident set size just before it (``/proc/self/statm``), so
-  inputs, weights and imports are excluded and the weight gradient, logits and temporaries are
-  included (torch's CPU allocator exposes no peak statistic; tracemalloc does not see torch
-  allocations);
+- memory: each variant in a fresh subprocess; peak memory during its first step minus the memory
+  held just before it (`measure.PeakMemory`: on the CPU the peak resident set size, on CUDA
+  the allocator's peak), so inputs, weights and imports are excluded and the weight gradient,
+  logits and temporaries are included;
 - time: wall-clock forward+backward of one step, in one process holding the inputs, after one
   untimed step per variant; every round runs each variant next to a plain step (alternating
   which goes first) and records their ratio; reported: the median of these paired ratios, the
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,13 +32,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from measure import PeakMemory, add_device_args, device_of, elapsed, precision
 
 VARIANTS = ("plain", "three_logit", "agg_linear", "fused", "fused_plain", "agg_linear_worst", "fused_worst")
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _zipf(vocab: int, s: float = 1.2) -> torch.Tensor:
@@ -59,9 +54,10 @@ def _inputs(args, worst: bool):
         rare_ids = gates.rare.nonzero().squeeze(1)
         half = torch.rand(args.tokens, generator=g) < 0.5
         y[half] = rare_ids[torch.randint(len(rare_ids), (int(half.sum()),), generator=g)]
-    x = torch.randn(args.tokens, args.dim, generator=g).requires_grad_(True)
-    w = (torch.randn(args.vocab, args.dim, generator=g) * 0.02).requires_grad_(True)
-    return x, w, y, gates
+    device = torch.device(args.device)
+    x = torch.randn(args.tokens, args.dim, generator=g).to(device).requires_grad_(True)
+    w = (torch.randn(args.vocab, args.dim, generator=g) * 0.02).to(device).requires_grad_(True)
+    return x, w, y.to(device), gates.to(device)
 
 
 def _three_logit(x, w, y, gates):
@@ -72,17 +68,16 @@ def _three_logit(x, w, y, gates):
     loss = F.cross_entropy(F.linear(x, w.detach()), y, reduction="sum")
     for rows, gv in ((nr, gates.g1), (r, gates.g2)):
         gate = gv.expand(rows.numel(), w.shape[0]).clone()
-        gate[torch.arange(rows.numel()), y[rows]] = 1.0
+        gate[torch.arange(rows.numel(), device=gate.device), y[rows]] = 1.0
         z = F.linear(x.detach()[rows], w)
         z = gate * z + (1.0 - gate) * z.detach()
         loss = loss + F.cross_entropy(z, y[rows], reduction="sum")
     return loss / y.numel()
 
 
-def _step(variant, x, w, y, gates, chunk):
+def _loss(variant, x, w, y, gates, chunk):
     from aniso_plugins import agg_cross_entropy, agg_linear
 
-    x.grad = w.grad = None
     if variant == "plain":
         loss = F.cross_entropy(F.linear(x, w).float(), y)
     elif variant == "three_logit":
@@ -93,23 +88,30 @@ def _step(variant, x, w, y, gates, chunk):
         loss = agg_cross_entropy(x, w, y, None, chunk_size=chunk)
     else:
         loss = agg_cross_entropy(x, w, y, gates, chunk_size=chunk)
+    return loss
+
+
+def _step(variant, x, w, y, gates, args):
+    """One forward (under the benchmark's precision) and backward of `variant`."""
+    x.grad = w.grad = None
+    with precision(torch.device(args.device), args.dtype):
+        loss = _loss(variant, x, w, y, gates, args.chunk)
     loss.backward()
 
 
 def _warm_up(args) -> None:
-    tiny = argparse.Namespace(tokens=16, dim=4, vocab=64, counter_tokens=8)
+    tiny = argparse.Namespace(tokens=16, dim=4, vocab=64, counter_tokens=8, device=args.device)
     for v in VARIANTS:  # lazy imports and first-call costs, before any measurement
-        _step(v, *_inputs(tiny, worst=v.endswith("_worst")), args.chunk)
+        _step(v, *_inputs(tiny, worst=v.endswith("_worst")), args)
 
 
 def memory_worker(args) -> None:
     torch.set_num_threads(args.threads)
     _warm_up(args)
     x, w, y, gates = _inputs(args, worst=args.memory_worker.endswith("_worst"))
-    before = _rss_bytes()
-    _step(args.memory_worker, x, w, y, gates, args.chunk)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    print(json.dumps({"peak": peak, "rare_rows": float(gates.rare[y].float().mean())}))
+    with PeakMemory(device_of(args)) as peak:
+        _step(args.memory_worker, x, w, y, gates, args)
+    print(json.dumps({"peak": peak.bytes, "rare_rows": float(gates.rare[y].float().mean())}))
 
 
 def timing(args, variants: list[str]) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -120,9 +122,7 @@ def timing(args, variants: list[str]) -> tuple[dict[str, list[float]], dict[str,
 
     def run(v: str) -> float:
         x, w, y, gates = worst if v.endswith("_worst") else typical
-        start = time.perf_counter()
-        _step(v, x, w, y, gates, args.chunk)
-        return time.perf_counter() - start
+        return elapsed(lambda: _step(v, x, w, y, gates, args), device_of(args))
 
     for v in variants:  # untimed first step of each variant
         run(v)
@@ -145,30 +145,48 @@ def timing(args, variants: list[str]) -> tuple[dict[str, list[float]], dict[str,
     return times, ratios
 
 
+COUNTER_POOL = 64
+"""Distinct target batches per law, cycled over the steps (generating a fresh batch per step
+would cost more than the update being measured)."""
+
+
+def _target_pool(args, law: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    n, v = args.counter_tokens, args.vocab
+    if law == "uniform":
+        return [torch.randint(0, v, (n,), generator=g).to(args.device) for _ in range(COUNTER_POOL)]
+    probs = _zipf(v)
+    return [torch.multinomial(probs, n, replacement=True, generator=g).to(args.device) for _ in range(COUNTER_POOL)]
+
+
 def counter_benchmark(args) -> list[str]:
+    """One table row per target law: `SlidingTokenCounter` over ``args.counter_steps`` steps of
+    ``args.counter_tokens`` targets (on ``args.device``: the update's copy to the CPU is part of
+    its cost) from `COUNTER_POOL` batches cycled; update + step and appearance + gates timed on
+    the steps after the window is full (every step while it never fills), median in ms; memory
+    = `SlidingTokenCounter.nbytes` at the end."""
     from aniso_plugins import SlidingTokenCounter, agg_gates
 
     torch.set_num_threads(args.threads)
     lines = []
     for law in ("zipf1.2", "uniform"):
-        g = torch.Generator().manual_seed(1)
-        probs = _zipf(args.vocab)
+        pool = _target_pool(args, law)
         counter = SlidingTokenCounter(args.vocab, args.window)
         upd, gate_t = [], []
-        for _ in range(args.counter_steps):
-            if law == "uniform":
-                y = torch.randint(0, args.vocab, (args.counter_tokens,), generator=g)
-            else:
-                y = torch.multinomial(probs, args.counter_tokens, replacement=True, generator=g)
+        timed_from = args.window if args.counter_steps > args.window else 0
+        for i in range(args.counter_steps):
+            y = pool[i % COUNTER_POOL]
             t0 = time.perf_counter()
             counter.update(y)
             t1 = time.perf_counter()
-            agg_gates(counter.appearance(), 0.03, steps=counter.steps_in_window)
+            if i >= timed_from:
+                agg_gates(counter.appearance(), 0.03, steps=counter.steps_in_window)
             t2 = time.perf_counter()
             counter.step()
             t3 = time.perf_counter()
-            upd.append((t1 - t0) + (t3 - t2))
-            gate_t.append(t2 - t1)
+            if i >= timed_from:
+                upd.append((t1 - t0) + (t3 - t2))
+                gate_t.append(t2 - t1)
         full = counter.step_index > args.window
         dense = (args.window + 1) * args.vocab * 4
         lines.append(
@@ -182,6 +200,7 @@ def counter_benchmark(args) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_device_args(p)
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--vocab", type=int, default=50304)
@@ -194,6 +213,7 @@ def main() -> None:
     p.add_argument("--counter-steps", type=int, default=5200)
     p.add_argument("--memory-worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = p.parse_args()
+    device_of(args)
     if args.memory_worker:
         memory_worker(args)
         return
@@ -201,7 +221,7 @@ def main() -> None:
     variants = args.variants.split(",")
     base = [sys.executable, os.path.abspath(__file__)] + [
         f"--{k.replace('_', '-')}={getattr(args, k)}"
-        for k in ("tokens", "dim", "vocab", "threads", "chunk", "counter_tokens")
+        for k in ("tokens", "dim", "vocab", "threads", "chunk", "counter_tokens", "device", "dtype")
     ]
     memory = {}
     for v in variants:
@@ -213,7 +233,7 @@ def main() -> None:
     times, ratios = timing(args, variants) if args.rounds else ({}, {})
 
     print(
-        f"\nHead, N={args.tokens} tokens, d={args.dim}, V={args.vocab}, fp32 CPU, {args.threads} threads, "
+        f"\nHead, N={args.tokens} tokens, d={args.dim}, V={args.vocab}, {args.dtype} {args.device}, {args.threads} threads, "
         f"fused chunks of {args.chunk} rows; {args.rounds} timed rounds\n"
     )
     print(

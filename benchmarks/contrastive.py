@@ -28,18 +28,30 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from measure import add_device_args, device_of, precision
+from timing import best_times, print_ratio_table
 
-from aniso_plugins.bottleneck import hidden_logit_direction, sample_loss_positions, update_efficiency
-from aniso_plugins.ethayarajh import choose_words, layer_stats, token_positions, word_counts
+from aniso_plugins.bottleneck import (
+    hidden_logit_direction,
+    sample_loss_positions,
+    update_efficiency,
+)
+from aniso_plugins.ethayarajh import (
+    choose_words,
+    layer_stats,
+    token_positions,
+    word_counts,
+)
 from aniso_plugins.simcse import info_nce, pool
 from aniso_plugins.simctg import simctg_pair_sums
 from aniso_plugins.uniformity import row_uniformity
-from timing import best_times, print_ratio_table
 
 
-def _backward(loss_of: Callable[[], torch.Tensor], *leaves: torch.Tensor) -> Callable[[], None]:
+def _backward(loss_of: Callable[[], torch.Tensor], args, *leaves: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
-        loss_of().backward()
+        with precision(leaves[0].device, args.dtype):
+            loss = loss_of()
+        loss.backward()
         for x in leaves:
             x.grad = None
 
@@ -48,6 +60,7 @@ def _backward(loss_of: Callable[[], torch.Tensor], *leaves: torch.Tensor) -> Cal
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_device_args(parser)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=256)
@@ -58,18 +71,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dev = device_of(args)
     g = torch.Generator().manual_seed(0)
     b, t, d, v = args.batch, args.seq, args.hidden, args.vocab
     n = b * t
-    w = (torch.randn(v, d, generator=g) * 0.02 + 0.01).requires_grad_(True)  # a mildly anisotropic head
-    h = (torch.randn(b, t, d, generator=g) + 0.5).requires_grad_(True)  # hidden states in a cone
-    y = torch.randint(0, v, (b, t), generator=g)
-    valid = torch.ones(b, t, dtype=torch.bool)
-    sample_gen = torch.Generator().manual_seed(1)
-    pairs = (torch.randn(2 * b, t, d, generator=g) + 0.5).requires_grad_(True)
-    mask = torch.ones(2 * b, t, dtype=torch.long)
-    ids = torch.randint(0, v, (b, t), generator=g) % 512  # repeated tokens for SelfSim
-    blocks = [torch.randn(b, t, d, generator=g) for _ in range(args.layers)]
+    w = (torch.randn(v, d, generator=g) * 0.02 + 0.01).to(dev).requires_grad_(True)  # a mildly anisotropic head
+    h = (torch.randn(b, t, d, generator=g) + 0.5).to(dev).requires_grad_(True)  # hidden states in a cone
+    y = torch.randint(0, v, (b, t), generator=g).to(dev)
+    valid = torch.ones(b, t, dtype=torch.bool, device=dev)
+    sample_gen = torch.Generator(dev).manual_seed(1)
+    pairs = (torch.randn(2 * b, t, d, generator=g) + 0.5).to(dev).requires_grad_(True)
+    mask = torch.ones(2 * b, t, dtype=torch.long, device=dev)
+    ids = (torch.randint(0, v, (b, t), generator=g) % 512).to(dev)  # repeated tokens for SelfSim
+    blocks = [torch.randn(b, t, d, generator=g).to(dev) for _ in range(args.layers)]
 
     def ethayarajh() -> None:
         token_ids, counted = token_positions(y, input_ids=ids, vocab_size=v)
@@ -79,31 +93,31 @@ def main() -> None:
 
     def probe() -> None:
         hh = h.detach().reshape(n, d)
-        pick = sample_loss_positions(y, args.positions, torch.Generator().manual_seed(2))
+        pick = sample_loss_positions(y, args.positions, torch.Generator(dev).manual_seed(2))
         z = hh[pick] @ w.detach().T
         grad = torch.softmax(z, dim=-1)
-        grad[torch.arange(len(pick)), y.reshape(-1)[pick]] -= 1
+        grad[torch.arange(len(pick), device=dev), y.reshape(-1)[pick]] -= 1
         update_efficiency(z, grad, hidden_logit_direction(grad @ w.detach(), w.detach()), y.reshape(-1)[pick], (1e-3, 1e-2, 1e-1))
 
     cases: dict[str, tuple[str, Callable[[], None]]] = {
-        "LM-head step (baseline)": (f"N={n}, V={v}", _backward(lambda: F.cross_entropy(F.linear(h, w).flatten(0, 1), y.flatten()), h, w)),
-        "SimCTG, block 512": ("per micro-batch", _backward(lambda: simctg_pair_sums(h, valid, 0.5, 512)[0], h)),
-        "SimCTG, block 128": ("per micro-batch", _backward(lambda: simctg_pair_sums(h, valid, 0.5, 128)[0], h)),
-        "uniformity of head rows, exact": ("per step, block 1024", _backward(lambda: row_uniformity(w, block=1024), w)),
+        "LM-head step (baseline)": (f"N={n}, V={v}", _backward(lambda: F.cross_entropy(F.linear(h, w).flatten(0, 1).float(), y.flatten()), args, h, w)),
+        "SimCTG, block 512": ("per micro-batch", _backward(lambda: simctg_pair_sums(h, valid, 0.5, 512)[0], args, h)),
+        "SimCTG, block 128": ("per micro-batch", _backward(lambda: simctg_pair_sums(h, valid, 0.5, 128)[0], args, h)),
+        "uniformity of head rows, exact": ("per step, block 1024", _backward(lambda: row_uniformity(w, block=1024), args, w)),
         "uniformity of head rows, sampled": (
             "per step, 1024 rows",
-            _backward(lambda: row_uniformity(w, sample=1024, generator=sample_gen), w),
+            _backward(lambda: row_uniformity(w, sample=1024, generator=sample_gen), args, w),
         ),
-        "uniformity of hidden states": (f"per micro-batch, {n} rows", _backward(lambda: row_uniformity(h.reshape(n, d)), h)),
+        "uniformity of hidden states": (f"per micro-batch, {n} rows", _backward(lambda: row_uniformity(h.reshape(n, d)), args, h)),
         "SimCSE (mean pooling + InfoNCE)": (
             f"per micro-batch, {b} pairs",
-            _backward(lambda: info_nce(*pool(pairs, mask, "mean").unflatten(0, (b, 2)).unbind(1)), pairs),
+            _backward(lambda: info_nce(*pool(pairs, mask, "mean").unflatten(0, (b, 2)).unbind(1)), args, pairs),
         ),
         "Ethayarajh SelfSim/IntraSim": (f"per measurement, {args.layers} layers", ethayarajh),
         "update efficiency": (f"per probe, k={args.positions}, 3 ε", probe),
     }
-    best = best_times({name: run for name, (_, run) in cases.items()}, args.rounds)
-    print(f"B={b}, T={t}, d={d}, V={v}, fp32 CPU, torch.set_num_threads({args.threads}), min of {args.rounds} rounds")
+    best = best_times({name: run for name, (_, run) in cases.items()}, args.rounds, dev)
+    print(f"B={b}, T={t}, d={d}, V={v}, {args.dtype} {args.device}, torch.set_num_threads({args.threads}), min of {args.rounds} rounds")
     print()
     print_ratio_table(best, {name: setting for name, (setting, _) in cases.items()}, "LM-head step (baseline)")
 

@@ -20,10 +20,19 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from measure import add_device_args, device_of, precision
 from timing import timed
 from torch import nn
 
-from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, StepInfo, isotropy, mean_cosine, spectrum
+from aniso_plugins import (
+    AnisoConfig,
+    AnisoPlugins,
+    ModelHandle,
+    StepInfo,
+    isotropy,
+    mean_cosine,
+    spectrum,
+)
 
 
 class Head(nn.Module):
@@ -37,6 +46,7 @@ class Head(nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_args(parser)
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=4096)
@@ -45,20 +55,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    device = device_of(args)
 
-    model = Head(args.vocab, args.hidden)
+    model = Head(args.vocab, args.hidden).to(device)
     weight = model.lm_head.weight
-    h = torch.randn(args.tokens, args.hidden)
-    y = torch.randint(0, args.vocab, (args.tokens,))
+    h = torch.randn(args.tokens, args.hidden, device=device)
+    y = torch.randint(0, args.vocab, (args.tokens,), device=device)
 
     def head_step(head: nn.Module) -> None:
         x = h.clone().requires_grad_(True)
-        F.cross_entropy(head(x), y).backward()
+        with precision(device, args.dtype):
+            loss = F.cross_entropy(head(x).float(), y)
+        loss.backward()
         head.weight.grad = None
 
     geometry = AnisoPlugins(AnisoConfig(metrics=("geometry",), load_entry_points=False))
     geometry.setup(ModelHandle(model, head="lm_head"))
-    probed = Head(args.vocab, args.hidden)  # the same weight, with the probe's hooks
+    probed = Head(args.vocab, args.hidden).to(device)  # the same weight, with the probe's hooks
     probed.lm_head.weight = model.lm_head.weight
     probe = AnisoPlugins(AnisoConfig(metrics=("bottleneck",), load_entry_points=False))
     probe.setup(ModelHandle(probed, head="lm_head"))
@@ -66,8 +79,8 @@ def main() -> None:
 
     def probe_step() -> None:
         probe.targets(y, StepInfo(step=1, measure=True))
-        probe_parts["probe: armed forward+backward"].append(timed(lambda: head_step(probed.lm_head)))
-        probe_parts["probe: measurement"].append(timed(lambda: probe.measure(StepInfo(step=1, measure=True))))
+        probe_parts["probe: armed forward+backward"].append(timed(lambda: head_step(probed.lm_head), device))
+        probe_parts["probe: measurement"].append(timed(lambda: probe.measure(StepInfo(step=1, measure=True)), device))
 
     cases: dict[str, Callable[[], None]] = {
         "head forward+backward (baseline)": lambda: head_step(model.lm_head),
@@ -81,7 +94,7 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     for round_ in range(args.reps + 1):
         for name, fn in cases.items():
-            elapsed = timed(fn)
+            elapsed = timed(fn, device)
             if round_ > 0:
                 times[name].append(elapsed)
     for parts in probe_parts.values():
@@ -91,7 +104,7 @@ def main() -> None:
     best = {name: (min(t[0] for t in v), min(t[1] for t in v)) for name, v in times.items()}
     base = best["head forward+backward (baseline)"]
     print(
-        f"V={args.vocab} d={args.hidden} N={args.tokens} threads={args.threads} torch {torch.__version__}, "
+        f"V={args.vocab} d={args.hidden} N={args.tokens} {args.dtype} {args.device} threads={args.threads} torch {torch.__version__}, "
         f"min of {args.reps} after 1 warm-up"
     )
     print(f"| {'case':<44} | wall s | wall / baseline |  CPU s | CPU / baseline |")

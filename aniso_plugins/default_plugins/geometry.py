@@ -36,6 +36,7 @@ from ..geometry import (
     mean_row,
     moment_stats,
     moments,
+    nonfinite_count,
 )
 from ..hookspecs import hookimpl
 from ..plugins import logger
@@ -84,7 +85,7 @@ class GeometryPlugin:
             rows = matrix_rows(weight, f"{name} weight")
             if round_index == 0:  # Gram, row sum, count; raw unit-row sum; non-finite entries
                 stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix + "raw/")
-                stats[prefix + "nonfinite"] = Stat((~torch.isfinite(rows)).sum().to(torch.float64))
+                stats[prefix + "nonfinite"] = Stat(nonfinite_count(rows))
                 continue
             # round 1: from the reduced Gram's eigenvectors, the partition functions of I(W)
             m = moments(reduced, prefix)

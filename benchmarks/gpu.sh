@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU cases of issue 16 on one CUDA device, every table printed (docs/performance.md §7.5):
+#   1. head + loss at V=128256, d=4096, N in {4096, 16384, 32768}, bf16: plain, fused AGG (gates 1
+#      and typical), Liger-Kernel FLCE, CCE Triton and CCE torch_compile (a peer that is not
+#      installed is skipped with the reason);
+#   2. the token counter at V=262144, 65536 targets/step, K=10000 (targets on the GPU);
+#   3. one geometry measurement and one bottleneck probe at V=131072, d=4096.
+# Budget: about 8 minutes on one recent GPU, most of it the counter's 10,200 CPU-side steps per law
+# and the first-call compilation of the Triton peers.
+#
+#   bash benchmarks/gpu.sh                  # CUDA, bf16
+#   bash benchmarks/gpu.sh --device cpu     # smoke mode: the same three runs at tiny sizes on the CPU
+set -euo pipefail
+cd "$(dirname "$0")"
+DEVICE=cuda
+if [[ "${1:-}" == "--device" ]]; then DEVICE="${2:?--device needs cpu or cuda}"; fi
+PEERS=plain,fused_ones,fused_typical,liger_flce,cce_triton,cce_compile
+if [[ "$DEVICE" == cuda ]]; then
+  HEADS=(--vocab 128256 --tokens 4096,16384,32768 --dim 4096 --rounds 5 --time-flops 1e16 --run-flops 1e16)
+  COUNTER=(--counter-vocab 262144 --counter-tokens 65536 --window 10000)
+  GEOMETRY=(--geometry-vocab 131072 --geometry-dim 4096 --probe-tokens 4096)
+  THREADS=8
+elif [[ "$DEVICE" == cpu ]]; then
+  HEADS=(--vocab 1024 --tokens 64,128 --dim 32 --rounds 1 --memory-limit-gib 4)
+  COUNTER=(--counter-vocab 1000 --counter-tokens 500 --window 20)
+  GEOMETRY=(--geometry-vocab 512 --geometry-dim 32 --probe-tokens 64)
+  THREADS=1
+else
+  echo "gpu.sh: --device must be cuda or cpu, got $DEVICE" >&2
+  exit 2
+fi
+python scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section heads --extra-dim 0 \
+  --variants "$PEERS" "${HEADS[@]}"
+python scale.py --device "$DEVICE" --threads "$THREADS" --section counter "${COUNTER[@]}"
+python scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section geometry "${GEOMETRY[@]}"

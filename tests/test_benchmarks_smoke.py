@@ -1,0 +1,85 @@
+"""The benchmark scripts' machinery on the CPU: memory measurement against known allocations, a
+memory-limited worker that really runs out, and `benchmarks/gpu.sh --device cpu` (smoke mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH)
+
+from measure import PeakMemory, is_oom
+
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, BENCH]), TORCHINDUCTOR_COMPILE_THREADS="1")
+
+
+def _worker(cell: str, variant: str, limit_gib: float) -> dict:
+    """One variant's first step in a fresh memory-limited worker of benchmarks/scale.py (256-row chunks)."""
+    cmd = [sys.executable, os.path.join(BENCH, "scale.py"), "--worker", "--cell", cell, "--variants", variant,
+           "--dtype", "fp32", "--threads", "1", "--rounds", "0", "--chunk", "256",
+           "--memory-limit-gib", str(limit_gib)]  # fmt: skip
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return line
+
+
+def test_peak_memory_of_a_known_allocation():
+    """The CPU peak of a block that allocates, touches and frees 256 MiB is 256 MiB (-3%, +8%), and
+    freed memory before the block does not count."""
+    size = 64 * 2**20  # float32 elements: 256 MiB
+    warm = torch.ones(2 * size)
+    del warm
+    with PeakMemory(torch.device("cpu")) as peak:
+        block = torch.ones(size)
+        del block
+    assert 0.97 * 256 * 2**20 <= peak.bytes <= 1.08 * 256 * 2**20
+
+
+def test_is_oom_recognises_allocation_failures():
+    assert is_oom(MemoryError())
+    assert is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+
+
+def test_worker_runs_out_under_the_memory_limit_and_fused_fits():
+    """V = 16384, N = 2048: the plain head's float32 logits alone are 128 MiB; under a 96 MiB
+    limit plain and agg_linear really run out, the fused op (one 256-row chunk of 16 MiB, dW
+    of 2 MiB) runs, and its measured peak is below one logits tensor."""
+    lines = {v: _worker("16384,2048,32", v, 96 / 1024) for v in ("plain", "agg_linear", "fused_typical")}
+    assert lines["plain"]["status"] == "oom" and lines["agg_linear"]["status"] == "oom"
+    assert lines["fused_typical"]["status"] == "ok"
+    assert lines["fused_typical"]["peak"] < 128 * 2**20
+
+
+def test_plain_peak_is_a_few_logits_tensors():
+    """Without a binding limit the plain head's peak is 2-4 float32 N×V tensors (logits,
+    log-softmax, logit gradient; docs/performance.md §2), the fused one's well below one."""
+    lines = {v: _worker("8192,2048,32", v, 8.0) for v in ("plain", "fused_ones")}
+    logits = 8192 * 2048 * 4
+    assert 2 * logits <= lines["plain"]["peak"] <= 4.5 * logits
+    assert lines["fused_ones"]["peak"] < logits
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke_mode_prints_every_table():
+    """`bash benchmarks/gpu.sh --device cpu`: the three GPU runs at tiny sizes; the GPU-only
+    peers are skipped with their reason, not crashed."""
+    done = subprocess.run(["bash", os.path.join(BENCH, "gpu.sh"), "--device", "cpu"], check=False, capture_output=True,
+                          text=True, env=ENV, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for title in ("### Head + loss", "Peak extra memory", "Time:", "Peer target", "### Token counter", "### Geometry"):
+        assert title in out, title
+    assert "skipped: Triton GPU kernel: needs --device cuda" in out
+    assert "OOM" not in out
+    for variant in ("plain", "fused_ones", "fused_typical"):  # ours ran at both cells (a peer may fail)
+        assert done.stderr.count(f"{{'{variant}': 'ok'}}") == 2, variant
+    assert "| zipf1.2 |" in out and "| uniform |" in out
