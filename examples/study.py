@@ -193,19 +193,26 @@ def load_done(path: Path, settings: dict) -> list[dict]:
     return [r for r in runs if r.get("settings") == settings]
 
 
+def save_runs(path: Path, runs: list[dict], done: dict[tuple[str, int], dict]) -> None:
+    """Write `runs` and every earlier run not among them (other methods or seeds, or runs of this
+    plan not reached yet), so that no finished run is ever dropped from `path`."""
+    have = {(r["method"], r["seed"]) for r in runs}
+    path.write_text(json.dumps(runs + [r for k, r in done.items() if k not in have], indent=1))
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=sorted(STUDY), default=None, help="default: all")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--text-file", default=None, help="train on this UTF-8 text instead of Python's help topics")
     p.add_argument("--output-dir", default="study_out")
-    p.add_argument("--quick", action="store_true", help="smoke run: mle, agg, simctg, 1 seed, 16 steps, V=512")
+    p.add_argument("--quick", action="store_true", help="smoke run: mle, agg, simctg (or --methods), 1 seed, 16 steps, V=512")
     p.add_argument("--fresh", action="store_true", help="ignore the runs already in --output-dir/runs.json")
     add_run_arguments(p)
     a = p.parse_args(argv)
     methods = a.methods or list(STUDY)
     if a.quick:
-        methods, a.seeds = list(QUICK), [0]
+        methods, a.seeds = a.methods or list(QUICK), [0]
         a.steps, a.vocab_size, a.batch_size, a.block = 16, 512, 8, 32
     directory = Path(a.output_dir)
     directory.mkdir(parents=True, exist_ok=True)
@@ -226,7 +233,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         if seed == a.seeds[0] and m in REPORTED:  # kept for the report (not part of the results)
             model.save_pretrained(directory / "models" / m)
         # written after every run, so an interrupted study loses at most the run in progress
-        (directory / "runs.json").write_text(json.dumps(runs + [r for k, r in done.items() if k not in plan], indent=1))
+        save_runs(directory / "runs.json", runs, done)
         f = record["final"]
         print(
             f"[{i}/{len(plan)}] {m}, seed {seed}: ppl {f.get('eval_aniso/eval/ppl', math.nan):.2f}, "
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> list[str]:
             f"{time.perf_counter() - started:.0f} s so far)",
             flush=True,
         )
-    (directory / "runs.json").write_text(json.dumps(runs, indent=1))
+    save_runs(directory / "runs.json", runs, done)
     total = sum(r["wall_s"] for r in runs)
     header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s of training"
     (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs)}\n")

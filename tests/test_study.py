@@ -51,3 +51,11 @@ def test_quick_study_writes_every_file(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming: 3 of 3 runs" in again.stdout and "[1/3]" not in again.stdout
     assert json.loads((out / "runs.json").read_text()) == runs
+
+    # a narrower command on the same directory keeps the other methods' runs in runs.json
+    only = subprocess.run(
+        [sys.executable, "examples/study.py", "--quick", "--methods", "mle", "--output-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert only.returncode == 0, only.stderr[-3000:]
+    assert json.loads((out / "runs.json").read_text()) == runs
