@@ -4,15 +4,10 @@ through the real HF Trainer and the real script entry point, which writes every 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from spamlang import SpamLang, accuracy_and_loss
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_sequence_is_bos_then_one_repeated_token():
@@ -40,13 +35,9 @@ def test_accuracy_counts_positions_from_two_on():
     assert loss == pytest.approx(float(torch.log(torch.tensor(torch.e + 49.0)) - 1.0), rel=1e-6)
 
 
-def test_quick_sweep_writes_every_file_and_the_probe_starts_near_one_minus_d_over_v(tmp_path):
+def test_quick_sweep_writes_every_file_and_the_probe_starts_near_one_minus_d_over_v(tmp_path, run_example):
     out = tmp_path / "spam"
-    proc = subprocess.run(
-        [sys.executable, "examples/spamlang.py", "--quick", "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_example("spamlang.py", "--quick", "--output-dir", str(out))
     results = json.loads((out / "spamlang.json").read_text())
     assert [(r["sweep"], r["vocab"], r["d"]) for r in results] == [
         ("vocab", 64, 8), ("vocab", 256, 8), ("d", 128, 4), ("d", 128, 8),

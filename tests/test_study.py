@@ -5,23 +5,15 @@ consistent with the runs they summarize."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FILES = ("runs.json", "study.md", "trajectories.png", "rare_isotropy.png", "groups.png", "tradeoff.png", "report/spectrum.png",
          "report/projection.png", "report/norm_frequency.png")
 
 
-def test_quick_study_writes_every_file(tmp_path):
+def test_quick_study_writes_every_file(tmp_path, run_example):
     out = tmp_path / "study"
-    proc = subprocess.run(
-        [sys.executable, "examples/study.py", "--quick", "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_example("study.py", "--quick", "--output-dir", str(out))
     for name in FILES:
         assert (out / name).stat().st_size > 0, name
     runs = json.loads((out / "runs.json").read_text())
@@ -44,18 +36,10 @@ def test_quick_study_writes_every_file(tmp_path):
     assert sum(sizes.values()) == 512 and min(sizes.values()) > 0
 
     # the same command again resumes: nothing is retrained, the runs are kept as they were
-    again = subprocess.run(
-        [sys.executable, "examples/study.py", "--quick", "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "resuming: 3 of 3 runs" in again.stdout and "[1/3]" not in again.stdout
+    again = run_example("study.py", "--quick", "--output-dir", str(out))
+    assert "resuming: 3 of 3 runs" in again and "[1/3]" not in again
     assert json.loads((out / "runs.json").read_text()) == runs
 
     # a narrower command on the same directory keeps the other methods' runs in runs.json
-    only = subprocess.run(
-        [sys.executable, "examples/study.py", "--quick", "--methods", "mle", "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert only.returncode == 0, only.stderr[-3000:]
+    run_example("study.py", "--quick", "--methods", "mle", "--output-dir", str(out))
     assert json.loads((out / "runs.json").read_text()) == runs
