@@ -219,6 +219,20 @@ def compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dt
     return weight.dtype, acc, weight.dtype
 
 
+def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype) -> None:
+    """``out += a @ b`` with the GEMM's operands in `compute`, the head's GEMM dtype.
+
+    As autograd computes ``F.linear``'s weight gradient under autocast, and as Liger-Kernel's
+    fused linear cross-entropy accumulates dW: a `compute`-dtype GEMM (float32 accumulation inside
+    it), its product rounded to `compute` once and added into the float32 `out`; when `compute` is
+    `out`'s dtype, ``out.addmm_(a, b)``. A float32 GEMM in a bf16 step would run at the GPU's
+    float32 rate, many times slower than plain autograd's (docs/performance.md §7.3)."""
+    if compute == out.dtype:
+        out.addmm_(a.to(compute), b.to(compute))
+    else:
+        out.add_(torch.mm(a.to(compute), b.to(compute)))
+
+
 class _AGGLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, g1, g2, rare, g_target, ignore_index, dtypes):
@@ -245,7 +259,8 @@ class _AGGLinear(torch.autograd.Function):
             if ctx.needs_input_grad[0]:
                 dx = (G.to(compute) @ w).reshape(x.shape).to(hidden_dtype)
             if ctx.needs_input_grad[1]:
-                dw = _gated_weight_grad(G, X, targets.reshape(-1), AGGGates(g1, g2, rare, g_target), ignore_index, acc)
+                gates = AGGGates(g1, g2, rare, g_target)
+                dw = _gated_weight_grad(G, X, targets.reshape(-1), gates, ignore_index, compute, acc)
                 dw = dw.to(weight_dtype)
             if ctx.needs_input_grad[2]:
                 db = G.sum(0, dtype=acc).to(bias_dtype)
@@ -253,23 +268,26 @@ class _AGGLinear(torch.autograd.Function):
 
 
 def _gated_weight_grad(
-    G: torch.Tensor, X: torch.Tensor, y: torch.Tensor, gates: AGGGates, ignore_index: int, acc: torch.dtype
+    G: torch.Tensor,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    gates: AGGGates,
+    ignore_index: int,
+    compute: torch.dtype,
+    acc: torch.dtype,
 ) -> torch.Tensor:
-    """(G ⊙ Γ)ᵀ X in `acc` precision without forming G ⊙ Γ (see the module docstring)."""
+    """(G ⊙ Γ)ᵀ X accumulated in `acc`, its GEMMs on `compute` operands (`addmm_in_`), without
+    forming G ⊙ Γ (see the module docstring)."""
     valid = y != ignore_index
     rg = row_gating(gates, y, valid, acc)
     dw = torch.zeros(G.shape[1], X.shape[1], dtype=acc, device=G.device)
-    if G.dtype == acc:
-        dw.addmm_(G.T, X.to(acc))
-    else:  # low-precision logit gradient: upcast chunk by chunk, accumulate in acc
-        for s in range(0, G.shape[0], _GROUP_CHUNK):
-            dw.addmm_(G[s : s + _GROUP_CHUNK].to(acc).T, X[s : s + _GROUP_CHUNK].to(acc))
+    addmm_in_(dw, G.T, X, compute)
     dw.mul_(rg.base[:, None])
     rows = rg.in_other.nonzero().squeeze(1)
     diff = rg.other - rg.base
     for s in range(0, rows.numel(), _GROUP_CHUNK):
         r = rows[s : s + _GROUP_CHUNK]
-        dw.addmm_((G[r].to(acc) * diff).T, X[r].to(acc))
+        addmm_in_(dw, (G[r].to(acc) * diff).T, X[r], compute)
     fixed = rg.target_fix.nonzero().squeeze(1)
     if fixed.numel():
         yf = y[fixed]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .agg import AGGGates, check_inputs, compute_dtypes, row_gating
+from .agg import AGGGates, addmm_in_, check_inputs, compute_dtypes, row_gating
 from .linalg import ROW_BLOCK
 
 __all__ = ["agg_cross_entropy"]
@@ -42,10 +42,10 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                 rows = valid.nonzero().squeeze(1)
                 split = rows.numel()
             n = rows.numel()
-            xs, ys = X[rows].to(compute), y[rows]
+            ys = y[rows]
             w = weight.to(compute)
             b = None if bias is None else bias.to(compute)
-            dxs = torch.empty(n, d, dtype=compute, device=X.device) if want_dx else None
+            dx = torch.zeros(X.shape, dtype=hidden.dtype, device=X.device) if want_dx else None
             dw = torch.zeros(v, d, dtype=acc, device=X.device) if want_dw else None
             db = torch.zeros(v, dtype=acc, device=X.device) if want_db else None
             tv = torch.empty(n, dtype=acc, device=X.device)
@@ -57,7 +57,8 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                 if want_dw and not base_scaled and s >= split:
                     dw.mul_(rg.base[:, None])
                     base_scaled = True
-                z = F.linear(xs[s:e], w, b).to(acc)
+                xc = X[rows[s:e]].to(compute)  # the chunk's rows only: no (N, d) copy of X
+                z = F.linear(xc, w, b).to(acc)
                 yc = ys[s:e, None]
                 target_logit = z.gather(1, yc).squeeze(1)
                 zmax = z.amax(1, keepdim=True)
@@ -68,7 +69,7 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                 z.scatter_add_(1, yc, torch.full_like(target_logit[:, None], -1.0))
                 z.mul_(scale)  # G_c, the chunk's logit gradient
                 if want_dx:
-                    torch.mm(z.to(compute), w, out=dxs[s:e])
+                    dx[rows[s:e]] = torch.mm(z.to(compute), w).to(hidden.dtype)
                 if want_db:
                     db += z.sum(0)
                 if want_dw:
@@ -76,17 +77,16 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                         tv[s:e] = z.gather(1, yc).squeeze(1)
                         if s >= split:
                             z.mul_(rg.other)
-                    dw.addmm_(z.T, xs[s:e].to(acc))
+                    addmm_in_(dw, z.T, xc, compute)
                 del z  # free the chunk before the next one is allocated
             if want_dw and gates is not None:
                 if not base_scaled:
                     dw.mul_(rg.base[:, None])
                 coef = rg.target_fix[rows] * tv
-                dw.index_add_(0, ys, coef[:, None] * xs.to(acc))
-            dx = None
+                for s in range(0, n, chunk_size):
+                    r = rows[s : s + chunk_size]
+                    dw.index_add_(0, ys[s : s + chunk_size], coef[s : s + chunk_size, None] * X[r].to(acc))
             if want_dx:
-                dx = torch.zeros(X.shape, dtype=hidden.dtype, device=X.device)
-                dx[rows] = dxs.to(hidden.dtype)
                 dx = dx.reshape(hidden.shape)
         ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
         return loss * scale
@@ -125,11 +125,13 @@ def agg_cross_entropy(
     for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (docs/methods.md §1.5),
     or the plain one when `gates` is None (then this is an ordinary fused linear CE).
 
-    Peak extra memory: about two logit chunks (chunk_size × V, float32) plus dW (V × d, in at
-    least float32) and dX; never N × V. The gradients are computed in the forward (skipped when
-    grad mode is off, e.g. validation), so the backward may run once. Under autocast the GEMMs run in the autocast dtype; the logits chunk,
-    its gradient and dW are float32. `weight` must be the full (V, d) tensor (under FSDP2 call
-    it where the head parameter is unsharded).
+    Peak extra memory: one logits chunk (chunk_size × V, float32) and its temporaries beyond the
+    gradients dW (V × d, in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are computed in the forward (skipped when
+    grad mode is off, e.g. validation), so the backward may run once. Under autocast all three
+    GEMMs (logits, dX, dW) take autocast-dtype operands, as autograd's; the logits chunk, its
+    gradient and dW are float32, and each chunk's dW product (V × d, autocast dtype) is added
+    into dW (`aniso_plugins.agg.addmm_in_`). `weight` must be the full (V, d) tensor (under
+    FSDP2 call it where the head parameter is unsharded).
     """
     check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
     if not isinstance(chunk_size, int) or chunk_size < 1:

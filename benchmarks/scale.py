@@ -128,10 +128,6 @@ def make_inputs(vocab: int, tokens: int, dim: int, device: torch.device) -> Inpu
     )
 
 
-def _peer_dtype(dtype: str) -> torch.dtype:
-    return DTYPES[dtype]
-
-
 def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
     """The scalar loss of `variant` (run inside `measure.precision`)."""
     from aniso_plugins import agg_cross_entropy, agg_linear
@@ -143,7 +139,7 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
         return F.cross_entropy(agg_linear(x, w, y, inp.gates).float(), y)
     if variant in FUSED:
         return agg_cross_entropy(x, w, y, inp.ones if variant == "fused_ones" else inp.gates, chunk_size=chunk)
-    peer = _peer_dtype(dtype)
+    peer = DTYPES[dtype]
     if variant in ("cce_compile", "cce_triton"):
         from cut_cross_entropy import linear_cross_entropy
 

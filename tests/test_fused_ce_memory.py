@@ -1,0 +1,37 @@
+"""Peak memory of `agg_cross_entropy`: one logits chunk beyond its outputs (dX, dW), no (N, d)
+copies of the hidden states (docs/performance.md §7.3)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from aniso_plugins import agg_cross_entropy, agg_gates
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from measure import PeakMemory
+
+MIB = 2**20
+
+
+def test_fused_cross_entropy_holds_one_chunk_beyond_its_gradients():
+    """N = 262144, d = 64 (X, dX: 64 MiB each), V = 1024 (a 1024-row chunk: 4 MiB). The op used
+    to gather X into a row-ordered copy, keep dX in a second buffer and form the target
+    correction over all rows at once: (N, d) temporaries beyond dX (peak 185 MiB here, now 73)."""
+    n, v, d = 262144, 1024, 64
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g).requires_grad_(True)
+    w = (0.02 * torch.randn(v, d, generator=g)).requires_grad_(True)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::7] = -100
+    gates = agg_gates(torch.linspace(0.0, 1.0, v), 0.3)  # ids below 0.3 are rare: both row groups
+    assert gates.rare.any() and not gates.rare.all()
+    agg_cross_entropy(x[:4096], w, y[:4096], gates).backward()  # warm-up
+    x.grad = w.grad = None
+    with PeakMemory(torch.device("cpu")) as peak:
+        agg_cross_entropy(x, w, y, gates).backward()
+    assert torch.isfinite(x.grad).all() and x.grad[::7].abs().max() == 0  # ignored rows: no gradient
+    outputs = x.grad.numel() * 4 + w.grad.numel() * 4
+    assert peak.bytes < outputs + 32 * MIB, (peak.bytes / MIB, outputs / MIB)
