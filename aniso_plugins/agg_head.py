@@ -13,7 +13,6 @@ from torch import nn
 from .agg import AGGGates, agg_linear
 from .errors import SetupError
 from .fused_ce import agg_cross_entropy
-from .linalg import ROW_BLOCK
 from .lowrank import LowRankHead
 from .steps import TargetChunks
 
@@ -40,7 +39,7 @@ class AGGForward:
     Any other call runs the module's original forward. `remove` restores it.
     """
 
-    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int = ROW_BLOCK) -> None:
+    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int | None = None) -> None:
         check_linear_head(module, framework_forward=True)  # the caller checked the head
         self.module = module
         self.ignore_index = ignore_index

@@ -122,8 +122,9 @@ class AnisoConfig:
     """Run AGG as the fused chunked AGG cross-entropy (no full logits) instead of the gated head:
     only adapters that own the loss can (torchtitan, where it is the default); the HF and
     Lightning adapters refuse it."""
-    agg_chunk_size: int = 1024
-    """Token rows per chunk of the fused AGG cross-entropy."""
+    agg_chunk_size: int | None = None
+    """Token rows per chunk of the fused AGG cross-entropy; None: 1024, or fewer where a chunk's
+    float32 logits would exceed 256 MiB (`aniso_plugins.fused_ce.default_chunk_rows`)."""
 
     # --- Regularizers (docs/methods.md §3-4) ---------------------------------------------------
     reg_weight: float = 1.0
@@ -241,7 +242,7 @@ class AnisoConfig:
         _range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
         _positive_or_none("window", self.window)
         _positive_or_none("agg_static_after", self.agg_static_after)
-        _positive_int("agg_chunk_size", self.agg_chunk_size)
+        _positive_or_none("agg_chunk_size", self.agg_chunk_size)
         _range("reg_weight", self.reg_weight, 0.0, math.inf, "a number >= 0")
         _range("hinge_margin", self.hinge_margin, -1.0, 1.0, "a number in [-1, 1]")
         _positive_or_none("hinge_sample", self.hinge_sample)

@@ -19,7 +19,21 @@ import torch.nn.functional as F
 from .agg import AGGGates, addmm_in_, check_inputs, compute_dtypes, row_gating
 from .linalg import ROW_BLOCK
 
-__all__ = ["agg_cross_entropy"]
+__all__ = ["agg_cross_entropy", "default_chunk_rows"]
+
+CHUNK_LOGITS_BYTES = 256 * 2**20
+"""Budget of one float32 logits chunk when ``chunk_size`` is None (`default_chunk_rows`)."""
+MIN_CHUNK_ROWS = 256
+"""Fewest default rows per chunk: smaller GEMMs and a dW pass per chunk are slow (docs/performance.md §1.1)."""
+
+
+def default_chunk_rows(vocab: int) -> int:
+    """Token rows per chunk when ``chunk_size`` is None: ``ROW_BLOCK`` (1024), or fewer where 1024
+    rows of float32 logits would exceed `CHUNK_LOGITS_BYTES` (V > 65536): 512 at V = 131072, 256
+    at V = 262144, never fewer than `MIN_CHUNK_ROWS`. Up to V = 262144 the peak is then dW + dX +
+    at most 256 MiB of logits, instead of growing by 4 KiB per vocabulary entry
+    (docs/performance.md §7.3)."""
+    return max(MIN_CHUNK_ROWS, min(ROW_BLOCK, CHUNK_LOGITS_BYTES // (4 * vocab)))
 
 
 class _FusedAGGCrossEntropy(torch.autograd.Function):
@@ -113,7 +127,7 @@ def agg_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
-    chunk_size: int = ROW_BLOCK,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 
@@ -125,8 +139,9 @@ def agg_cross_entropy(
     for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (docs/methods.md §1.5),
     or the plain one when `gates` is None (then this is an ordinary fused linear CE).
 
-    Peak extra memory: one logits chunk (chunk_size × V, float32) and its temporaries beyond the
-    gradients dW (V × d, in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are computed in the forward (skipped when
+    Peak extra memory: one logits chunk (`chunk_size` × V, float32; `chunk_size` None: the
+    rows of `default_chunk_rows`, at most 256 MiB) and its temporaries beyond the gradients dW
+    (V × d, in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are computed in the forward (skipped when
     grad mode is off, e.g. validation), so the backward may run once. Under autocast all three
     GEMMs (logits, dX, dW) take autocast-dtype operands, as autograd's; the logits chunk, its
     gradient and dW are float32, and each chunk's dW product (V × d, autocast dtype) is added
@@ -134,8 +149,12 @@ def agg_cross_entropy(
     FSDP2 call it where the head parameter is unsharded).
     """
     check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk)")
+    if chunk_size is None:
+        chunk_size = default_chunk_rows(weight.shape[0])
+    elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk) or None (the default)"
+        )
     if reduction == "mean":
         if normalizer is not None:
             raise ValueError("normalizer: only used with reduction='sum' (mean divides by the non-ignored targets)")

@@ -138,7 +138,8 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
     if variant == "agg_linear":
         return F.cross_entropy(agg_linear(x, w, y, inp.gates).float(), y)
     if variant in FUSED:
-        return agg_cross_entropy(x, w, y, inp.ones if variant == "fused_ones" else inp.gates, chunk_size=chunk)
+        gates = inp.ones if variant == "fused_ones" else inp.gates
+        return agg_cross_entropy(x, w, y, gates, chunk_size=chunk or None)
     peer = DTYPES[dtype]
     if variant in ("cce_compile", "cce_triton"):
         from cut_cross_entropy import linear_cross_entropy
@@ -367,12 +368,16 @@ def peer_ratios(cell: Cell, fused: str) -> tuple[float, float, bool] | None:
     return t, a["peak"] / b["peak"] if b["peak"] else math.nan, paired  # a zero peak: below the RSS resolution
 
 
+def _chunk_text(chunk: int) -> str:
+    return f"{chunk} rows" if chunk else "default_chunk_rows(V) rows (1024, 512 at V=131072, 256 at V=262144)"
+
+
 def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, float]) -> None:
     for dtype in dict.fromkeys(c.dtype for c in cells):
         rows = [c for c in cells if c.dtype == dtype]
         print(
             f"\n### Head + loss, forward + backward, {dtype} ({'bf16 autocast' if dtype == 'bf16' else 'float32'}), "
-            f"{args.device}, {args.threads} threads, fused chunks of {args.chunk} rows; GEMM rate "
+            f"{args.device}, {args.threads} threads, fused chunks of {_chunk_text(args.chunk)}; GEMM rate "
             f"{rates[dtype] / 1e9:.1f} Gflop/s; memory limit {args.memory_limit_gib:g} GiB per process\n"
         )
         print("Peak extra memory, GiB (× plain):\n")
@@ -574,7 +579,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra-dim", type=int, default=2048, help="second d, at the smallest N (0: none)")
     p.add_argument("--variants", default="plain,agg_linear,fused_ones,fused_typical,cce_compile")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=1024, help="token rows per chunk of the fused op")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="token rows per chunk of the fused op (0: its default, default_chunk_rows(V))")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per variant (each next to a plain step)")
     p.add_argument("--time-flops", type=float, default=2.6e12, help="time cells with 6NVd at most this")
     p.add_argument("--run-flops", type=float, default=1.0e13, help="run one step at cells with 6NVd at most this")

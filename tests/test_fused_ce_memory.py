@@ -9,6 +9,7 @@ import sys
 import torch
 
 from aniso_plugins import agg_cross_entropy, agg_gates
+from aniso_plugins.fused_ce import default_chunk_rows
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from measure import PeakMemory
@@ -35,3 +36,30 @@ def test_fused_cross_entropy_holds_one_chunk_beyond_its_gradients():
     assert torch.isfinite(x.grad).all() and x.grad[::7].abs().max() == 0  # ignored rows: no gradient
     outputs = x.grad.numel() * 4 + w.grad.numel() * 4
     assert peak.bytes < outputs + 32 * MIB, (peak.bytes / MIB, outputs / MIB)
+
+
+def test_default_chunk_rows_cap_a_chunk_of_logits_at_256_mib():
+    expected = {1000: 1024, 65536: 1024, 65537: 1023, 128256: 523, 131072: 512, 262144: 256, 2**20: 256}
+    assert {v: default_chunk_rows(v) for v in expected} == expected
+
+
+def test_large_vocabulary_peak_is_gradients_plus_one_capped_chunk():
+    """V = 262144: 1024 rows of float32 logits are 1 GiB; the default chunk (256 rows) is 256 MiB,
+    and an explicit chunk_size is honoured."""
+    n, v, d = 2048, 262144, 16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g).requires_grad_(True)
+    w = (0.02 * torch.randn(v, d, generator=g)).requires_grad_(True)
+    y = torch.randint(0, v, (n,), generator=g)
+    gates = agg_gates(torch.linspace(0.0, 1.0, v), 0.3)
+    peaks = {}
+    for chunk in (None, 1024):
+        agg_cross_entropy(x[:64], w, y[:64], gates, chunk_size=chunk).backward()  # warm-up
+        x.grad = w.grad = None
+        with PeakMemory(torch.device("cpu")) as peak:
+            agg_cross_entropy(x, w, y, gates, chunk_size=chunk).backward()
+        peaks[chunk] = peak.bytes
+        outputs = x.grad.numel() * 4 + w.grad.numel() * 4
+        x.grad = w.grad = None
+    assert peaks[None] < outputs + 320 * MIB, peaks
+    assert peaks[1024] > outputs + 1000 * MIB, peaks
