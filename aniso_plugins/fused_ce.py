@@ -82,17 +82,19 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                 z.div_(zsum)  # softmax
                 z.scatter_add_(1, yc, torch.full_like(target_logit[:, None], -1.0))
                 z.mul_(scale)  # G_c, the chunk's logit gradient
+                zc = z.to(compute)  # G_c for the GEMMs (z itself without autocast): one copy for dX and dW
                 if want_dx:
-                    dx[rows[s:e]] = torch.mm(z.to(compute), w).to(hidden.dtype)
+                    dx[rows[s:e]] = torch.mm(zc, w).to(hidden.dtype)
                 if want_db:
                     db += z.sum(0)
                 if want_dw:
                     if gates is not None:
                         tv[s:e] = z.gather(1, yc).squeeze(1)
                         if s >= split:
-                            z.mul_(rg.other)
-                    addmm_in_(dw, z.T, xc, compute)
-                del z  # free the chunk before the next one is allocated
+                            del zc
+                            zc = z.mul_(rg.other).to(compute)
+                    addmm_in_(dw, zc.T, xc, compute)
+                del z, zc  # free the chunk before the next one is allocated
             if want_dw and gates is not None:
                 if not base_scaled:
                     dw.mul_(rg.base[:, None])
