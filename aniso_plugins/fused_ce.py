@@ -143,12 +143,13 @@ def agg_cross_entropy(
 
     Peak extra memory: one logits chunk (`chunk_size` × V, float32; `chunk_size` None: the
     rows of `default_chunk_rows`, at most 256 MiB) and its temporaries beyond the gradients dW
-    (V × d, in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are computed in the forward (skipped when
-    grad mode is off, e.g. validation), so the backward may run once. Under autocast all three
-    GEMMs (logits, dX, dW) take autocast-dtype operands, as autograd's; the logits chunk, its
-    gradient and dW are float32, and each chunk's dW product (V × d, autocast dtype) is added
-    into dW (`aniso_plugins.agg.addmm_in_`). `weight` must be the full (V, d) tensor (under
-    FSDP2 call it where the head parameter is unsharded).
+    (V × d, in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The
+    gradients are computed in the forward (skipped when grad mode is off, e.g. validation), so
+    the backward may run once. Under autocast all three GEMMs (logits, dX, dW) take
+    autocast-dtype operands, as autograd's; the logits chunk, its gradient and dW are float32,
+    and each chunk's dW product (V × d, autocast dtype) is added into dW
+    (`aniso_plugins.agg.addmm_in_`). `weight` must be the full (V, d) tensor (under FSDP2 call
+    it where the head parameter is unsharded).
     """
     check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
     if chunk_size is None:
