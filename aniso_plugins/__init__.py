@@ -46,9 +46,10 @@ from .postprocess import (
 from .reduce import Stat, reduce_stats
 from .regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
 from .state import StateError, load_state, save_state
-from .session import TrainingSession, batch_targets, causal_targets
+from .session import TrainingSession
 from .simcse import SimCSECollator
 from .steps import RunInfo, StepInfo
+from .targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
 
 __all__ = [
     "AGGForward",
@@ -60,6 +61,7 @@ __all__ = [
     "Centering",
     "ConfigError",
     "CumulativeTargetCounts",
+    "LabelAlignment",
     "LocalRows",
     "LowRankHead",
     "ModelHandle",
@@ -80,8 +82,8 @@ __all__ = [
     "agg_cross_entropy",
     "agg_gates",
     "agg_linear",
+    "alignment_of",
     "attach_loss",
-    "batch_targets",
     "bottleneck_finish",
     "bottleneck_stats",
     "causal_targets",
@@ -108,6 +110,7 @@ __all__ = [
     "principal_variance_share",
     "reduce_stats",
     "save_state",
+    "sequence_ids",
     "singular_entropy",
     "spectrum",
     "spectrum_penalty",

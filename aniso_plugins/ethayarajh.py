@@ -142,12 +142,19 @@ def empty_layer_stats(words: WordSet, d: int, device: torch.device, prefix: str 
 
 
 def layer_stats(
-    hidden: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, words: WordSet, prefix: str = ""
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    counted: torch.Tensor,
+    words: WordSet,
+    prefix: str = "",
+    sentences: torch.Tensor | None = None,
 ) -> dict[str, Stat]:
     """This rank's sums for one layer (all `Stat` sums).
 
-    hidden: ``(..., T, d)`` representations, one sentence per row of the leading dimensions;
-    ids / counted: ``(..., T)`` from `token_positions`; words: the `WordSet` of the global counts.
+    hidden: ``(..., T, d)`` representations, one sentence per row of the leading dimensions, or,
+    with `sentences` (``(..., T)`` example ids of packed rows, `aniso_plugins.StepInfo.sequence_ids`),
+    one sentence per example of a row; ids / counted: ``(..., T)`` from `token_positions`;
+    words: the `WordSet` of the global counts.
     Keys: ``word_sums`` ((k + 2) × d, Σ u per slot), ``word_counts`` (nonzero occurrences per
     slot), ``intra_sum`` / ``intra_count`` (Σ IntraSim(s) over the sentences with two or more
     nonzero counted vectors and s̄ ≠ 0, and their number), ``nonfinite`` (counted vectors with
@@ -161,6 +168,11 @@ def layer_stats(
     x = hidden.detach().reshape(-1, t, d)
     device = x.device
     ids, counted = ids.reshape(-1, t).to(device), counted.reshape(-1, t).to(device)
+    if sentences is not None:
+        if tuple(sentences.shape) != tuple(hidden.shape[:-1]):
+            raise ValueError(f"sentences {tuple(sentences.shape)} must have the shape of ids {tuple(hidden.shape[:-1])}")
+        sentences = sentences.reshape(-1, t).to(device=device, dtype=torch.int64)
+        sentences = sentences - sentences.min(-1, keepdim=True).values  # 0 <= id < T within each row
     slots = words.slots.to(device)
     k = len(words.words)
     acc = _zeros(k, d, device)
@@ -176,11 +188,17 @@ def layer_stats(
         nonzero = cb & (norm != 0)
         u = xb * torch.where(nonzero, norm.reciprocal(), zero)[..., None]
         # intra-sentence similarity: s̄ over the counted positions, cosines of its nonzero vectors
-        mean = xb.sum(1)
-        n = nonzero.sum(1)
+        if sentences is None:
+            mean, unit_sum, n = xb.sum(1), u.sum(1), nonzero.sum(1)
+        else:  # one sentence per (row, example): sums by key row·T + example
+            sb = sentences[start : start + per_block]
+            keys = (torch.arange(sb.shape[0], device=device).unsqueeze(1) * t + sb).reshape(-1)
+            mean = xb.new_zeros(sb.numel(), d).index_add_(0, keys, xb.reshape(-1, d))
+            unit_sum = u.new_zeros(sb.numel(), d).index_add_(0, keys, u.reshape(-1, d))
+            n = torch.zeros(sb.numel(), dtype=torch.int64, device=device).index_add_(0, keys, nonzero.reshape(-1).long())
         mean_norm = mean.norm(dim=-1)
         keep = (n >= 2) & (mean_norm != 0)
-        intra = (mean * u.sum(1)).sum(-1) / (mean_norm * n)
+        intra = (mean * unit_sum).sum(-1) / (mean_norm * n)
         acc["intra_sum"] += intra[keep].sum()
         acc["intra_count"] += keep.sum()
         # unit-vector sums per word slot

@@ -85,6 +85,21 @@ class ModelHandle:
         """The output projection module (owns ``weight``, shape (V, d))."""
         return _get(self.model, self._head)
 
+    def head_weight(self) -> torch.Tensor:
+        """The (V, d) matrix the head multiplies by, for metrics: ``head().weight`` (a LoRA-adapted
+        head's W + ΔW in `OutputEmbeddingsHandle`)."""
+        return self.head().weight
+
+    def require_trainable_head(self, who: str) -> None:
+        """Raise `SetupError` unless the head's own weight is trained: `who` (a method that changes
+        the head's gradient) would otherwise silently do nothing."""
+        weight = self.head().weight
+        if not weight.requires_grad:
+            raise SetupError(
+                f"{who} changes the gradient of the LM head's weight, but it is frozen (requires_grad=False): "
+                "train the head (with PEFT: LoraConfig(modules_to_save=[<the head's name>])) or drop the method"
+            )
+
     def set_head(self, module: nn.Module) -> None:
         """Replace the output projection (before the model is wrapped by DDP/FSDP); undone by
         `restore`."""
@@ -172,36 +187,146 @@ class ModelHandle:
             self._on_untie()
 
 
+def peft_base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT ``PeftModel`` (duck-typed: ``get_base_model()`` and
+    ``peft_config``), else `model` itself."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) and hasattr(model, "peft_config") else model
+
+
+def _peft_copies(module: nn.Module) -> nn.ModuleDict | None:
+    """The per-adapter trained copies of a PEFT ``ModulesToSaveWrapper``, else None."""
+    copies = getattr(module, "modules_to_save", None)
+    return copies if isinstance(copies, nn.ModuleDict) and hasattr(module, "original_module") else None
+
+
+def _active_adapters(module: nn.Module) -> list[str]:
+    return [] if getattr(module, "disable_adapters", False) else list(getattr(module, "active_adapters", ()))
+
+
+def _lora_layer(module: nn.Module) -> bool:
+    """Whether `module` is a PEFT LoRA layer (a frozen ``base_layer`` plus trained A·B)."""
+    return callable(getattr(module, "get_delta_weight", None)) and hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
 class OutputEmbeddingsHandle(ModelHandle):
     """`ModelHandle` for a model with the transformers API (duck-typed, transformers need not be
     installed): the head is ``get_output_embeddings()``, the embedding
     ``get_input_embeddings()``, the blocks the modules whose class is in ``_no_split_modules``;
     untying sets ``tie_word_embeddings=False`` on the config (and its text config) so that
-    nothing re-ties the weights."""
+    nothing re-ties the weights.
+
+    Encoder-decoders (``config.is_encoder_decoder``): the head is the decoder's, so the blocks
+    are the decoder's and the input embedding is the decoder's token embedding (the shared one
+    of T5, Bart, Marian). PEFT: a ``PeftModel`` is unwrapped to its base model; a head in
+    ``modules_to_save`` is its active trained copy (the module that runs); a LoRA-adapted head
+    reads as W + ΔW for metrics (`head_weight`) and is refused by the methods that change the
+    head's gradient (`require_trainable_head`)."""
 
     def __init__(self, model: nn.Module) -> None:
+        base = peft_base_model(model)
+        self.peft = base is not model
+        """Whether the model came wrapped in a PEFT ``PeftModel``."""
+        model = base
         if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
             raise SetupError(
-                f"{type(model).__name__}.get_output_embeddings() is missing or None: a causal LM with an "
+                f"{type(model).__name__}.get_output_embeddings() is missing or None: a language model with an "
                 "output-embedding (LM head) Linear is needed"
             )
         super().__init__(model, on_untie=self._mark_untied)
 
+    @property
+    def encoder_decoder(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+
     def head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
+        head = self.model.get_output_embeddings()
+        copies = _peft_copies(head)
+        if copies is None:
+            return head
+        active = _active_adapters(head)
+        return copies[active[0]] if active and active[0] in copies else head.original_module
+
+    def head_weight(self) -> torch.Tensor:
+        head = self.head()
+        if not _lora_layer(head) or getattr(head, "merged", False):
+            return head.weight
+        with torch.no_grad():
+            weight = head.get_base_layer().weight.detach()
+            for adapter in _active_adapters(head):
+                if adapter in head.lora_A:
+                    weight = weight + head.get_delta_weight(adapter).to(weight.dtype)
+        return weight
+
+    def require_trainable_head(self, who: str) -> None:
+        head = self.head()
+        name = self._head_name()
+        if _lora_layer(head):
+            raise SetupError(
+                f"{who} changes the gradient of the LM head's weight W, but LoRA on the head ({name!r} in "
+                "target_modules) freezes W and trains A·B beside it: refused. Train the head in full instead: "
+                f"LoraConfig(modules_to_save=[{name!r}]) without it in target_modules"
+            )
+        if not head.weight.requires_grad:
+            raise SetupError(
+                f"{who} changes the gradient of the LM head's weight, but it is frozen (requires_grad=False)"
+                + (
+                    f": with PEFT, train the head too, LoraConfig(modules_to_save=[{name!r}])"
+                    if self.peft
+                    else f": unfreeze {name!r} or drop the method"
+                )
+            )
+
+    def _head_name(self) -> str:
+        head = self.model.get_output_embeddings()
+        for name, module in self.model.named_modules():
+            if module is head:
+                return name.rsplit(".", 1)[-1]
+        return "lm_head"
 
     def _replace_head(self, module: nn.Module) -> None:
-        self.model.set_output_embeddings(module)
+        head = self.model.get_output_embeddings()
+        copies = _peft_copies(head)
+        active = _active_adapters(head) if copies is not None else []
+        if active and active[0] in copies:
+            copies[active[0]] = module
+        else:
+            self.model.set_output_embeddings(module)
 
-    def input_embedding(self) -> nn.Module | None:
+    def _decoder(self) -> nn.Module | None:
+        get = getattr(self.model, "get_decoder", None)
+        if not self.encoder_decoder or not callable(get):
+            return None
         try:
-            return self.model.get_input_embeddings()
+            return get()
         except (AttributeError, NotImplementedError):
             return None
 
+    def input_embedding(self) -> nn.Module | None:
+        decoder = self._decoder()
+        for owner in ((decoder, self.model) if decoder is not None else (self.model,)):
+            try:
+                embedding = owner.get_input_embeddings()
+            except (AttributeError, NotImplementedError):
+                continue
+            if embedding is not None:
+                return embedding
+        return None
+
     def blocks(self) -> list[nn.Module]:
+        """The blocks feeding the head (an encoder-decoder's decoder blocks): the modules whose
+        class is in ``_no_split_modules``, else the first ``nn.ModuleList`` of same-class
+        modules (Marian declares none)."""
+        decoder = self._decoder()
+        root = decoder if decoder is not None else self.model
         names = set(getattr(self.model, "_no_split_modules", None) or ())
-        return [m for m in self.model.modules() if type(m).__name__ in names]
+        found = [m for m in root.modules() if type(m).__name__ in names]
+        if found:
+            return found
+        for module in root.modules():
+            if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+                return list(module)
+        return []
 
     def _mark_untied(self) -> None:
         config = getattr(self.model, "config", None)
@@ -257,4 +382,4 @@ def find_handle(
     )
 
 
-__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "detach", "find_handle"]
+__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "detach", "find_handle", "peft_base_model"]

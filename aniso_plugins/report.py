@@ -330,7 +330,7 @@ def _fit(transform, source: MatrixSource):
 class LoadedModel:
     name: str
     path: str
-    kind: str  # "causal-lm", "masked-lm", "encoder", "safetensors", "module", "tensor"
+    kind: str  # "causal-lm", "masked-lm", "seq2seq-lm", "encoder", "safetensors", "module", "tensor"
     matrices: dict[str, MatrixSource]
     tied: bool | None = None
     model: nn.Module | None = None
@@ -360,6 +360,8 @@ def _quiet_transformers():
 
 def _model_kind(config) -> str:
     archs = " ".join(getattr(config, "architectures", None) or [])
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
     if "CausalLM" in archs or "LMHeadModel" in archs:
         return "causal-lm"
     if "MaskedLM" in archs:
@@ -499,9 +501,11 @@ def load_model(spec: str | os.PathLike | nn.Module | torch.Tensor, *, tensor: Se
     except Exception as e:
         raise ReportError(f"cannot read the config of {path}: {_one_line(e)}") from None
     kind = _model_kind(config)
-    auto = {"causal-lm": transformers.AutoModelForCausalLM, "masked-lm": transformers.AutoModelForMaskedLM}.get(
-        kind, transformers.AutoModel
-    )
+    auto = {
+        "causal-lm": transformers.AutoModelForCausalLM,
+        "masked-lm": transformers.AutoModelForMaskedLM,
+        "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+    }.get(kind, transformers.AutoModel)
     tokenizer = None
     if any((path / f).exists() for f in _TOKENIZER_FILES):  # else AutoTokenizer may build an empty one
         with contextlib.suppress(Exception):
@@ -586,19 +590,25 @@ def text_pass(loaded: LoadedModel, ids: torch.Tensor, *, batch_size: int = 8, hi
     """One pass over the text with the built-in plugins: frequency groups from the token counts,
     per-group perplexity and Uniq (causal LMs), hidden-state anisotropy per block, and the
     gradient-bottleneck probe on the first batch (one backward in eval mode). `count_ids`: the
-    tokens whose counts define the groups instead (e.g. the training text)."""
+    tokens whose counts define the groups instead (e.g. the training text).
+
+    The targets follow the model's loss (`aniso_plugins.targets`): a causal LM predicts the
+    next token; a masked LM's and an encoder's positions hold their own token; an
+    encoder-decoder reads the text on both sides (encoder input and decoder labels) and is
+    measured on its decoder (no perplexity: a text alone has no source-target pairs)."""
     from .config import AnisoConfig
     from .plugins import AnisoPlugins
-    from .session import causal_targets
+    from .targets import causal_targets
     from .steps import StepInfo
 
     model = loaded.model
     causal = loaded.kind == "causal-lm"
+    seq2seq = loaded.kind == "seq2seq-lm"
     bar = progress or (lambda it, total, desc: it)
     metrics = ("frequency", "eval", "hidden", "bottleneck") if causal else ("frequency", "hidden")
     config = AnisoConfig(metrics=metrics, hidden_samples=hidden_samples, load_entry_points=False)
     plugins = AnisoPlugins(config)
-    if causal or loaded.kind == "masked-lm":
+    if causal or loaded.kind in ("masked-lm", "seq2seq-lm"):
         handle = OutputEmbeddingsHandle(model)
     else:
         handle = _EncoderHandle(model)
@@ -612,7 +622,8 @@ def text_pass(loaded: LoadedModel, ids: torch.Tensor, *, batch_size: int = 8, hi
         batches = list(blocks.split(batch_size))
         for i, x in enumerate(bar(batches, len(batches), f"{loaded.name}: text")):
             x = x.to(device)
-            y = causal_targets(x, config.ignore_index) if causal else x
+            y = causal_targets(x, config.ignore_index) if causal else x  # labels as they are: masked, seq2seq
+            inputs = {"input_ids": x, "labels": x} if seq2seq else {"input_ids": x}
             plugins.targets(y, StepInfo(step=1, micro_batch=i, measure=True))
             if i == 0 and causal:  # the bottleneck probe needs a backward (eval mode, grad on)
                 with torch.enable_grad():
@@ -624,7 +635,7 @@ def text_pass(loaded: LoadedModel, ids: torch.Tensor, *, batch_size: int = 8, hi
                 model.zero_grad(set_to_none=True)
             else:
                 with torch.no_grad():
-                    out = model(input_ids=x)
+                    out = model(**inputs)
                 logits = getattr(out, "logits", None)
             if causal:
                 plugins.eval_batch(logits.detach(), y)

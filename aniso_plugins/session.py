@@ -59,28 +59,6 @@ class GradScaler(Protocol):
     def get_scale(self) -> float: ...
 
 
-def causal_targets(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Targets aligned with the logits of a causal LM: position t predicts ``labels[t + 1]``;
-    the last position gets `ignore_index` (as transformers' ``ForCausalLMLoss`` pads)."""
-    pad = torch.full_like(labels[..., :1], ignore_index)
-    return torch.cat([labels[..., 1:], pad], dim=-1)
-
-
-def batch_targets(batch: Any, ignore_index: int = -100, causal: bool = True) -> torch.Tensor | None:
-    """The head-aligned targets of a dict-like batch, as transformers computes its loss:
-    ``batch["shift_labels"]`` when present (already aligned), else the causal shift of
-    ``batch["labels"]`` (`causal`), or the labels as they are (masked and sequence-to-sequence
-    LMs, whose logits are aligned with their labels); None when the batch has neither."""
-    if not isinstance(batch, Mapping):
-        return None
-    if batch.get("shift_labels") is not None:
-        return batch["shift_labels"]
-    labels = batch.get("labels")
-    if labels is None:
-        return None
-    return causal_targets(labels, ignore_index) if causal else labels
-
-
 class TrainingSession:
     """One training run's plugins plus the adapter-side bookkeeping.
 
@@ -117,6 +95,7 @@ class TrainingSession:
         self._supplied: torch.Tensor | None = None
         self._supplying = False
         self._eval: TargetChunks | None = None
+        self._eval_paused = False
         self._pending_state: tuple[Mapping[str, Mapping[str, torch.Tensor]], str] | None = None  # (state, where)
 
     # --- what the adapter asks ----------------------------------------------------------------
@@ -222,10 +201,6 @@ class TrainingSession:
         None when unknown or infinite."""
         return optimizer_steps_per_epoch(batches, accumulation_steps)
 
-    def targets_of(self, batch: Any, causal: bool = True) -> torch.Tensor | None:
-        """`batch_targets` with this run's ``ignore_index``."""
-        return batch_targets(batch, self.config.ignore_index, causal)
-
     # --- training ---------------------------------------------------------------------------
     def begin_micro_batch(
         self,
@@ -238,6 +213,7 @@ class TrainingSession:
         loss_normalizer: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
         supplies_loss: bool = False,
     ) -> StepInfo:
         """Announce a training micro-batch (targets already aligned with the head's output).
@@ -245,7 +221,7 @@ class TrainingSession:
         step: 1-based index of the optimizer step this micro-batch belongs to;
         accumulation_steps: micro-batches in this step (a trainer's last window of an epoch
         may be shorter); measure: whether metrics are measured after this step;
-        head_calls / loss_normalizer / input_ids / attention_mask: see `StepInfo`;
+        head_calls / loss_normalizer / input_ids / attention_mask / sequence_ids: see `StepInfo`;
         supplies_loss: the batch has no labels and `supplied_loss()` will be its loss (only
         when `supplies_loss` says the configuration can)."""
         if self.run is None:
@@ -261,6 +237,7 @@ class TrainingSession:
             loss_normalizer=loss_normalizer,
             input_ids=input_ids,
             attention_mask=attention_mask,
+            sequence_ids=sequence_ids,
         )
         if supplies_loss and not self.supplies_loss:
             raise ConfigError(
@@ -338,7 +315,7 @@ class TrainingSession:
 
     def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
         if self._eval is not None:
-            targets = self._eval.take()
+            targets = None if self._eval_paused else self._eval.take(output.shape[:-1])
             if targets is not None:
                 self.plugins.eval_batch(output.detach(), targets)
             return None
@@ -387,7 +364,9 @@ class TrainingSession:
     def evaluating(self, targets: torch.Tensor | None, head_calls: int = 1) -> Iterator[None]:
         """While inside, the head's outputs are evaluation logits for `targets` (aligned with
         them; the i-th of `head_calls` head calls gets the i-th equal chunk of the last
-        dimension) and go to the plugins' `aniso_eval_batch`. None targets: nothing is fed."""
+        dimension) and go to the plugins' `aniso_eval_batch`. A head output whose leading
+        shape is not its chunk's (a generation step, (B, 1, V)) is not fed and leaves the
+        chunk for the next call. None targets: nothing is fed."""
         if targets is None or not self.wants_eval_batches:
             yield
             return
@@ -396,6 +375,16 @@ class TrainingSession:
             yield
         finally:
             self._eval = None
+
+    @contextlib.contextmanager
+    def not_evaluating(self) -> Iterator[None]:
+        """Inside `evaluating`, head outputs that are not the evaluation logits of its targets
+        (the steps of ``generate()`` before the labelled forward, ``predict_with_generate``)."""
+        paused, self._eval_paused = self._eval_paused, True
+        try:
+            yield
+        finally:
+            self._eval_paused = paused
 
     REPORT_DIR = "aniso_report"
 
@@ -511,4 +500,4 @@ class _EmbeddingsView(nn.Module):
         return self.handle.head()
 
 
-__all__ = ["GradScaler", "MetricsSink", "TrainingSession", "batch_targets", "causal_targets"]
+__all__ = ["GradScaler", "MetricsSink", "TrainingSession"]

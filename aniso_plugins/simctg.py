@@ -7,7 +7,8 @@ similarity and margin ρ:
     L_CL = Σ_i Σ_{j≠i} max(0, ρ − s(h_i, h_i) + s(h_i, h_j)),    s(h_i, h_i) = 1,
 
 over the ordered pairs of *valid* positions i ≠ j of the same sequence (pairs never cross
-sequences), divided by the number of such pairs in the whole batch, Σ_b n_b(n_b − 1). This
+sequences: neither rows nor, in a packed row, examples; `segments`), divided by the number of
+such pairs in the whole batch, Σ_s n_s(n_s − 1) over the sequences s. This
 pooled normalisation is the official code's (yxuansu/SimCTG, ``contrastive_loss``: the sum of
 the masked loss matrix over the sum of the mask); with equal lengths n_b = T it is the paper's
 1/(T(T − 1)) per sequence averaged over sequences.
@@ -36,7 +37,9 @@ class _PairHinge(torch.autograd.Function):
     tensor; its gradient w.r.t. the unit vectors is computed and saved in the forward."""
 
     @staticmethod
-    def forward(ctx, unit: torch.Tensor, valid: torch.Tensor, threshold: float, block: int) -> torch.Tensor:
+    def forward(
+        ctx, unit: torch.Tensor, valid: torch.Tensor, segments: torch.Tensor | None, threshold: float, block: int
+    ) -> torch.Tensor:
         _, length, _ = unit.shape
         grad = torch.zeros_like(unit) if ctx.needs_input_grad[0] else None
         value = torch.zeros((), dtype=torch.float64, device=unit.device)
@@ -46,6 +49,8 @@ class _PairHinge(torch.autograd.Function):
             stop = min(start + block, length)
             excess = torch.bmm(unit[:, start:stop], keys).sub_(threshold).clamp_min_(0.0)  # (B, n, T)
             excess.mul_(weight.unsqueeze(1)).mul_(weight[:, start:stop].unsqueeze(2))
+            if segments is not None:  # pairs within one example of a packed row
+                excess.mul_(segments[:, start:stop].unsqueeze(2) == segments.unsqueeze(1))
             excess[:, :, start:stop].diagonal(dim1=1, dim2=2).zero_()  # j = i
             value += excess.sum(dtype=torch.float64)
             if grad is not None:  # excess >= 0, so its sign is the active mask 1[s_ij > 1 − ρ]
@@ -58,10 +63,10 @@ class _PairHinge(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * grad_out.to(grad.dtype), None, None, None
+        return grad * grad_out.to(grad.dtype), None, None, None, None
 
 
-def _check(hidden: torch.Tensor, valid: torch.Tensor, block: int) -> None:
+def _check(hidden: torch.Tensor, valid: torch.Tensor, block: int, segments: torch.Tensor | None) -> None:
     if hidden.dim() < 2 or valid.shape != hidden.shape[:-1]:
         raise ValueError(
             f"SimCTG: hidden must be (..., T, d) and valid (..., T) with the same leading shape, got "
@@ -71,37 +76,63 @@ def _check(hidden: torch.Tensor, valid: torch.Tensor, block: int) -> None:
         raise ValueError(f"SimCTG: valid must be a bool mask (targets != ignore_index), got {valid.dtype}")
     if not hidden.is_floating_point():
         raise ValueError(f"SimCTG: hidden must be a floating-point tensor, got {hidden.dtype}")
+    if segments is not None and segments.shape != valid.shape:
+        raise ValueError(
+            f"SimCTG: segments must have the shape of valid {tuple(valid.shape)}, got {tuple(segments.shape)}"
+        )
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"SimCTG: block={block!r}: expected an integer >= 1 (query positions per block)")
 
 
-def simctg_pair_count(valid: torch.Tensor) -> torch.Tensor:
-    """Σ_b n_b(n_b − 1), the number of ordered pairs of valid positions i ≠ j within the same
-    sequence, for a bool mask (..., T); an int64 0-d tensor on `valid`'s device."""
-    n = valid.reshape(-1, valid.shape[-1]).sum(-1, dtype=torch.int64)
+def simctg_pair_count(valid: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Σ_s n_s(n_s − 1), the number of ordered pairs of valid positions i ≠ j within the same
+    sequence, for a bool mask (..., T); with `segments` ((..., T) example ids of packed rows,
+    `aniso_plugins.StepInfo.sequence_ids`) a sequence is one example of a row. An int64 0-d
+    tensor on `valid`'s device."""
+    rows = valid.reshape(-1, valid.shape[-1])
+    if segments is None:
+        n = rows.sum(-1, dtype=torch.int64)
+    else:
+        length = rows.shape[-1]
+        seg = segments.reshape(rows.shape).to(device=rows.device, dtype=torch.int64)
+        offset = seg - seg.min(-1, keepdim=True).values  # 0 <= offset < T per row
+        keys = (torch.arange(rows.shape[0], device=rows.device).unsqueeze(1) * length + offset)[rows]
+        n = torch.bincount(keys, minlength=1).to(torch.int64)
     return (n * (n - 1)).sum()
 
 
 def simctg_pair_sums(
-    hidden: torch.Tensor, valid: torch.Tensor, margin: float = 0.5, block: int = 512
+    hidden: torch.Tensor,
+    valid: torch.Tensor,
+    margin: float = 0.5,
+    block: int = 512,
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ pair losses, pair count) of SimCTG's contrastive loss on `hidden` (..., T, d) at the
     positions where the bool mask `valid` (..., T) is True: the sum of
     max(0, ρ − 1 + cos(h_i, h_j)) over the ordered valid pairs i ≠ j of each sequence (a
-    differentiable float64 0-d tensor), and `simctg_pair_count(valid)`. `block` query positions
-    are processed at a time (memory O(B·T·block)); the result does not depend on it."""
-    _check(hidden, valid, block)
+    differentiable float64 0-d tensor), and `simctg_pair_count(valid, segments)`; `segments`
+    (..., T) splits packed rows into their examples (pairs only within one). `block` query
+    positions are processed at a time (memory O(B·T·block)); the result does not depend on it."""
+    _check(hidden, valid, block, segments)
     length, dim = hidden.shape[-2:]
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         unit = _unit(hidden).reshape(-1, length, dim)
-        total = _PairHinge.apply(unit, valid.reshape(-1, length), 1.0 - float(margin), block)
-    return total, simctg_pair_count(valid)
+        seg = None if segments is None else segments.reshape(-1, length).to(unit.device)
+        total = _PairHinge.apply(unit, valid.reshape(-1, length), seg, 1.0 - float(margin), block)
+    return total, simctg_pair_count(valid, segments)
 
 
-def simctg_loss(hidden: torch.Tensor, valid: torch.Tensor, margin: float = 0.5, block: int = 512) -> torch.Tensor:
+def simctg_loss(
+    hidden: torch.Tensor,
+    valid: torch.Tensor,
+    margin: float = 0.5,
+    block: int = 512,
+    segments: torch.Tensor | None = None,
+) -> torch.Tensor:
     """L_CL of one batch: `simctg_pair_sums` divided by the pair count (0 when there is no
     pair), the official SimCTG normalisation. A differentiable float64 0-d tensor."""
-    total, count = simctg_pair_sums(hidden, valid, margin, block)
+    total, count = simctg_pair_sums(hidden, valid, margin, block, segments)
     return total / count.clamp_min(1).to(total.dtype)
 
 

@@ -38,9 +38,14 @@ class StepInfo:
         the targets' last dimension, in order (torchtitan's chunked loss; 1 elsewhere).
     loss_normalizer: only where the adapter owns the loss (torchtitan): the divisor of this
         micro-batch's summed token loss, for a head that computes the loss itself.
-    input_ids / attention_mask: the micro-batch's input token ids and padding mask (1 = token,
-        0 = padding), shaped like the targets, when the adapter's batches carry them (HF and
-        Lightning dict batches); None otherwise (torchtitan passes neither).
+    input_ids / attention_mask: the token ids and padding mask (1 = token, 0 = padding) at the
+        LM head's positions (an encoder-decoder's decoder inputs), shaped like the targets,
+        when the adapter's batches carry them (HF and Lightning dict batches); None otherwise
+        (torchtitan passes neither).
+    sequence_ids: for a packed micro-batch (several examples per row), the example each
+        position belongs to within its row (int64, shaped like the targets;
+        `aniso_plugins.targets.sequence_ids`); None when each row is one example. Terms and
+        metrics that pair positions of one example compare these.
     """
 
     step: int
@@ -51,6 +56,7 @@ class StepInfo:
     loss_normalizer: torch.Tensor | None = None
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
+    sequence_ids: torch.Tensor | None = None
 
     @property
     def last_micro_batch(self) -> bool:
@@ -88,10 +94,14 @@ class TargetChunks:
         self._pieces = list(targets.chunk(chunks, dim=-1)) if chunks > 1 else [targets]
         self._next = 0
 
-    def take(self) -> torch.Tensor | None:
+    def take(self, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor | None:
+        """The next piece; None when all were used, or when `shape` (a head output's leading
+        shape) is given and is not the next piece's (that call is not for these targets)."""
         if self._next >= len(self._pieces):
             return None
         piece = self._pieces[self._next]
+        if shape is not None and tuple(shape) != tuple(piece.shape):
+            return None
         self._next += 1
         return piece
 

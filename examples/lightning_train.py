@@ -89,7 +89,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     valid = torch.utils.data.DataLoader(valid_ds, batch_size=a.batch_size)
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
     config = AnisoConfig(**METHODS[a.method], metrics=("geometry", "frequency", "eval", "uniformity"))
-    callback = AnisoCallback(config, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+    callback = AnisoCallback(
+        config, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal"
+    )
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=a.steps, callbacks=[callback], logger=False, enable_checkpointing=False,
         log_every_n_steps=max(1, a.steps // 8), check_val_every_n_epoch=None, val_check_interval=a.steps,

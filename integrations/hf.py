@@ -9,14 +9,23 @@
 What the callback does with the Trainer (transformers 5.x; docs/design.md walks through it):
 
 - ``on_init_end`` (inside ``Trainer.__init__``, before the optimizer exists and before
-  accelerate wraps the model): head surgery through `aniso_plugins.TrainingSession.setup`.
-  Callbacks are never handed the Trainer, so the callback finds the Trainer that is
-  constructing it on the call stack (or use `attach(trainer)` for one built earlier) and
-  (1) moves itself right after ``DefaultFlowCallback``, before the reporters, so metrics it adds
-  in ``on_log`` reach TensorBoard / W&B / every ``report_to``; (2) wraps the instance's
-  ``training_step`` (sees each training micro-batch's labels before the forward, also when a
-  ``compute_loss_func`` later pops them) and ``prediction_step`` (evaluation labels);
-  (3) wraps ``train`` to learn which checkpoint a run resumes from.
+  accelerate wraps the model): callbacks are never handed the Trainer, so the callback finds
+  the Trainer that is constructing it on the call stack (or use `attach(trainer)` for one
+  built earlier), checks everything it can refuse, and sets up after every other callback's
+  ``on_init_end`` has run, so a ``Trainer(...)`` that fails leaves the model as it was. Set-up:
+  head surgery through `aniso_plugins.TrainingSession.setup`; (1) it moves itself right after
+  ``DefaultFlowCallback``, before the reporters, so metrics it adds in ``on_log`` reach
+  TensorBoard / W&B / every ``report_to``; (2) wraps the instance's ``training_step`` (sees
+  each training micro-batch's labels before the forward, also when a ``compute_loss_func``
+  later pops them) and ``prediction_step`` (evaluation labels; with ``predict_with_generate``
+  the generation steps are not evaluation logits); (3) wraps ``train`` to learn which
+  checkpoint a run resumes from, and ``model_init`` (hyperparameter search) to set up on every
+  model the Trainer builds.
+- Targets: as the model's own loss aligns them (`aniso_plugins.targets.alignment_of`: causal
+  LMs shifted, masked LMs and encoder-decoders' decoder labels as they are, ``shift_labels``
+  when the collator gives them), or the callback's ``targets=``; packed batches
+  (``DataCollatorWithFlattening``) are split into their examples by ``position_ids``
+  (``seq_idx``, ``cu_seq_lens_q``). PEFT models are unwrapped to the base model's head.
 - Loss terms are attached in the LM head's forward on the last micro-batch of each optimizer
   step: their gradient reaches the weights before clipping, once per step, and DDP averages
   identical per-rank contributions (no double counting).
@@ -29,17 +38,21 @@ What the callback does with the Trainer (transformers 5.x; docs/design.md walks 
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
+from aniso_plugins.model import peft_base_model
+from aniso_plugins.targets import TargetRule, micro_batch_targets, target_rule
 
 try:
     from transformers import PreTrainedModel, Trainer, TrainerCallback
@@ -55,9 +68,13 @@ _EVAL_PREFIX = "eval_"
 
 
 def hf_handle(model: nn.Module) -> OutputEmbeddingsHandle:
-    """The `ModelHandle` of a transformers model; a clear error for anything else."""
-    if not isinstance(model, PreTrainedModel):
-        raise SetupError(f"AnisoCallback needs a transformers PreTrainedModel, got {type(model).__name__}")
+    """The `ModelHandle` of a transformers model (a PEFT ``PeftModel``: of its base model); a
+    clear error for anything else."""
+    base = peft_base_model(model)
+    if not isinstance(base, PreTrainedModel):
+        raise SetupError(
+            f"AnisoCallback needs a transformers PreTrainedModel (or a PEFT model of one), got {type(model).__name__}"
+        )
     return OutputEmbeddingsHandle(model)
 
 
@@ -77,27 +94,71 @@ class AnisoCallback(TrainerCallback):
 
     config: the `AnisoConfig` (default: geometry metrics only, training unchanged).
     plugins: extra plugin objects (third-party plugins also load from entry points).
+    targets: how a batch's targets align with the LM head's outputs: None (as the model's own
+        loss aligns its ``labels``), "causal", "aligned", "seq2seq"
+        (`aniso_plugins.targets.ALIGNMENTS`), or a function of the batch returning the ids
+        aligned with the head's output positions (``config.ignore_index`` where none).
     """
 
-    def __init__(self, config: AnisoConfig | None = None, plugins: Iterable[object] = ()) -> None:
-        self.session = TrainingSession(config, plugins)
+    def __init__(
+        self,
+        config: AnisoConfig | None = None,
+        plugins: Iterable[object] = (),
+        *,
+        targets: str | Callable[[Any], torch.Tensor] | None = None,
+    ) -> None:
+        self._plugins = tuple(plugins)
+        self.session = TrainingSession(config, self._plugins)
         self.config = self.session.config
+        self._targets = targets
+        self._rule: TargetRule | None = None
         self.trainer: Trainer | None = None
         self._pending: dict[str, float] = {}
         self._resume_dir: str | None = None
         self._measure_next = False
         self._supplying = False
-        self._causal = True
         self._wrappers: dict[str, Any] = {}
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
         """Wire this callback into `trainer` (done automatically when the callback is passed
-        to ``Trainer(callbacks=[...])``). Call before ``train()``; returns self."""
+        to ``Trainer(callbacks=[...])``). Call before ``train()``; returns self. Transactional:
+        if it raises, the model and the Trainer are as they were."""
         if self.trainer is trainer:
             return self
+        self._check(trainer)
+        self.trainer = trainer
+        handler = trainer.callback_handler
+        if self not in handler.callbacks:
+            handler.add_callback(self)
+        handler.callbacks.remove(self)
+        flow = [i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)]
+        handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
+        try:
+            self._wrap(trainer)
+            if self.session.handle is None:
+                self._set_up(trainer.model)
+        except BaseException:
+            self.detach()  # nothing stays half-applied: the model and the Trainer as they were
+            raise
+        return self
+
+    def _check(self, trainer: Trainer) -> None:
+        """Everything `attach` refuses, checked before anything is changed."""
         if self.trainer is not None:
             raise SetupError("this AnisoCallback is already attached to another Trainer: detach() it first, or make a new one")
+        others = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, AnisoCallback) and cb is not self]
+        if others:
+            raise SetupError(
+                "this Trainer has two AnisoCallbacks: use one AnisoCallback per Trainer, with all methods and metrics "
+                "in its AnisoConfig (method=('agg', 'simctg'), metrics=(...))"
+            )
+        wrapped = [name for name in _WRAPPED if name in trainer.__dict__]
+        if wrapped:
+            raise SetupError(
+                f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
+                "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
+            )
         if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != ("none",):
             raise SetupError(
                 "TrainingArguments(use_liger_kernel=True) computes the loss from lm_head.weight directly and "
@@ -108,49 +169,44 @@ class AnisoCallback(TrainerCallback):
                 f"head={self.config.head!r} adds parameters, but the Trainer was given an optimizer already; "
                 "let the Trainer create its optimizer"
             )
-        self.trainer = trainer
-        self._causal = not _aligned_labels(trainer.model)
-        handler = trainer.callback_handler
-        if self not in handler.callbacks:
-            handler.add_callback(self)
-        handler.callbacks.remove(self)
-        flow = [i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)]
-        handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
-        try:
-            self._wrap(trainer)
-            if self.session.handle is None:
-                self.session.setup(hf_handle(trainer.model))
-        except BaseException:
-            self.detach()  # nothing stays half-applied: the model and the Trainer as they were
-            raise
-        return self
+        if self.session.handle is None:
+            target_rule(self._targets, hf_handle(trainer.model).model)
+
+    def _set_up(self, model: nn.Module) -> None:
+        """Set the session up on `model` (a new model of ``model_init``: after undoing the
+        previous model's set-up, with fresh plugin state)."""
+        handle = hf_handle(model)
+        rule = target_rule(self._targets, handle.model)
+        if self.session.handle is not None:
+            self.session.detach()
+            self.session = TrainingSession(self.config, self._plugins)
+        self.session.setup(handle)
+        self._rule = rule
 
     def detach(self, keep_head: bool = False) -> None:
         """Undo what this callback did: the model gets back its forwards, hooks, head and tying
         exactly as before (`keep_head=True` keeps a replaced or untied head, whose trained
         Parameters are the run's result), the Trainer its own ``training_step``,
-        ``prediction_step`` and ``train``, and the callback leaves its callback list. A new
+        ``prediction_step``, ``train`` and ``model_init``, and the callback leaves its
+        callback list. A new
         ``AnisoCallback`` can then attach to the same model (e.g. a notebook cell run again)."""
         self.session.detach(keep_head=keep_head)
         trainer, self.trainer = self.trainer, None
         if trainer is None:
             return
-        for name, wrapper in self._wrappers.items():
+        for name, (wrapper, original) in self._wrappers.items():
             if trainer.__dict__.get(name) is wrapper:
-                del trainer.__dict__[name]  # the class's method again
+                if original is None:
+                    del trainer.__dict__[name]  # the class's method again
+                else:
+                    trainer.__dict__[name] = original  # an attribute of the instance (model_init)
         self._wrappers = {}
         if self in trainer.callback_handler.callbacks:
             trainer.callback_handler.callbacks.remove(self)
 
     def _wrap(self, trainer: Trainer) -> None:
-        wrapped = [name for name in ("training_step", "prediction_step", "train", "compute_loss") if name in trainer.__dict__]
-        if wrapped:
-            raise SetupError(
-                f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
-                "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
-            )
         training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
-        compute_loss = trainer.compute_loss
+        compute_loss, model_init = trainer.compute_loss, trainer.model_init
 
         def training_step_with_targets(model, inputs, num_items_in_batch=None):
             self._begin_micro_batch(inputs)
@@ -166,9 +222,10 @@ class AnisoCallback(TrainerCallback):
                 loss = loss * trainer.current_gradient_accumulation_steps  # logged as the step's term
             return (loss, outputs) if return_outputs else loss
 
-        def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None):
-            with self.session.evaluating(self.session.targets_of(inputs, self._causal)):
-                return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+            targets = self._rule.read(inputs, self.config.ignore_index).targets if self._rule is not None else None
+            with self.session.evaluating(targets), self._generation_not_evaluated(trainer):
+                return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
 
         def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
             ckpt = resume_from_checkpoint
@@ -177,23 +234,51 @@ class AnisoCallback(TrainerCallback):
             self._resume_dir = ckpt
             return train(ckpt, *args, **kwargs)
 
-        self._wrappers = {
-            "training_step": training_step_with_targets,
-            "prediction_step": prediction_step_with_targets,
-            "train": train_remembering_checkpoint,
+        wrappers: dict[str, tuple[Callable, Callable | None]] = {
+            "training_step": (training_step_with_targets, None),
+            "prediction_step": (prediction_step_with_targets, None),
+            "train": (train_remembering_checkpoint, None),
         }
         if self.session.supplies_loss:
-            self._wrappers["compute_loss"] = compute_loss_or_supplied
-        for name, wrapper in self._wrappers.items():
+            wrappers["compute_loss"] = (compute_loss_or_supplied, None)
+        if model_init is not None:  # train() builds a new model: set up on it before its optimizer exists
+            wrappers["model_init"] = (_with_set_up(model_init, self._set_up), model_init)
+        self._wrappers = wrappers
+        for name, (wrapper, _) in wrappers.items():
             setattr(trainer, name, wrapper)
 
+    @contextlib.contextmanager
+    def _generation_not_evaluated(self, trainer: Trainer) -> Iterator[None]:
+        """Under ``predict_with_generate`` (`Seq2SeqTrainer`), the head outputs of
+        ``trainer.model.generate`` are generation steps, not the evaluation logits of the
+        labelled forward that follows."""
+        model = trainer.model
+        if not getattr(trainer.args, "predict_with_generate", False) or not callable(getattr(model, "generate", None)):
+            yield
+            return
+        own = model.__dict__.get("generate")
+        generate = model.generate
+
+        def generate_unseen(*args, **kwargs):
+            with self.session.not_evaluating():
+                return generate(*args, **kwargs)
+
+        model.__dict__["generate"] = generate_unseen
+        try:
+            yield
+        finally:
+            if own is None:
+                model.__dict__.pop("generate", None)
+            else:
+                model.__dict__["generate"] = own
+
     def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
-        targets = self.session.targets_of(inputs, self._causal)
+        read = self._rule.read(inputs, self.config.ignore_index)
         input_ids = inputs.get("input_ids")
-        self._supplying = targets is None and self.session.supplies_loss and input_ids is not None
+        self._supplying = read.targets is None and self.session.supplies_loss and input_ids is not None
         if self._supplying:  # SimCSE without MLM labels: no position has a token loss
-            targets = torch.full_like(input_ids, self.config.ignore_index)
-        if targets is None:
+            read = micro_batch_targets(inputs, torch.full_like(input_ids, self.config.ignore_index))
+        if read.targets is None:
             raise SetupError(
                 "AnisoCallback: a training batch has no 'labels' (or 'shift_labels'); the targets are needed "
                 "(use DataCollatorForLanguageModeling, or add labels; label-free batches train only with "
@@ -201,12 +286,13 @@ class AnisoCallback(TrainerCallback):
             )
         trainer = self.trainer
         self.session.begin_micro_batch(
-            targets,
+            read.targets,
             step=trainer.state.global_step + 1,
             accumulation_steps=getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps),
             measure=self._measure_next,
-            input_ids=input_ids,
-            attention_mask=inputs.get("attention_mask"),
+            input_ids=read.input_ids,
+            attention_mask=read.attention_mask,
+            sequence_ids=read.sequence_ids,
             supplies_loss=self._supplying,
         )
 
@@ -219,7 +305,9 @@ class AnisoCallback(TrainerCallback):
                 "before train()"
             )
             return
-        self.attach(trainer)
+        self._check(trainer)  # refused before any callback's set-up changed the model
+        # set up after every other callback's on_init_end (the handler's loop reaches appended ones)
+        trainer.callback_handler.callbacks.append(_AttachAfterInit(self, trainer))
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         if self.trainer is None:
@@ -307,13 +395,41 @@ class AnisoCallback(TrainerCallback):
             self.session.save(directory)
 
 
-def _aligned_labels(model: nn.Module) -> bool:
-    """Whether the model's logits are aligned with its ``labels`` (masked and sequence-to-sequence
-    LMs: transformers' masked-LM mapping), so the targets are not shifted; the Trainer shifts
-    only for causal LMs too (its label smoother's ``shift_labels``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+_WRAPPED = ("training_step", "prediction_step", "train", "compute_loss")
+"""Trainer methods the callback wraps on the instance (and refuses to wrap twice)."""
 
-    return type(model).__name__ in set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values())
+
+class _AttachAfterInit(TrainerCallback):
+    """Appended by `AnisoCallback.on_init_end` to run last in the same ``on_init_end`` pass:
+    attaches the callback once every other callback's ``on_init_end`` has succeeded, then
+    leaves the list."""
+
+    def __init__(self, callback: AnisoCallback, trainer: Trainer) -> None:
+        self.callback, self.trainer = callback, trainer
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self.trainer.callback_handler.callbacks.remove(self)
+        self.callback.attach(self.trainer)
+
+
+def _with_set_up(model_init: Callable, set_up: Callable[[nn.Module], None]) -> Callable:
+    """`model_init` (0 or 1 argument, as ``Trainer.call_model_init`` counts them) followed by
+    `set_up` on the model it returns."""
+    if len(inspect.signature(model_init).parameters) == 0:
+
+        def fresh_model():
+            model = model_init()
+            set_up(model)
+            return model
+
+        return fresh_model
+
+    def fresh_model_for(trial):
+        model = model_init(trial)
+        set_up(model)
+        return model
+
+    return fresh_model_for
 
 
 def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:

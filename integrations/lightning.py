@@ -11,10 +11,14 @@ Finding the model's parts (the two knobs):
   API ``get_output_embeddings()`` (an HF model inside the module); otherwise name it:
   ``AnisoCallback(config, head="model.lm_head", input_embedding="model.embed",
   blocks="model.blocks")`` (submodule paths of the LightningModule);
-- the targets: by default as transformers computes its loss, ``batch["shift_labels"]`` if
-  present, else ``batch["labels"]`` shifted for a causal LM (position t predicts labels[t+1]);
-  otherwise pass ``targets=lambda batch: ...`` returning ids aligned with the head's output
-  positions (``config.ignore_index`` where no loss is taken).
+- the targets: by default as the found HF model's own loss aligns ``batch["labels"]``
+  (`aniso_plugins.targets.alignment_of`: shifted for a causal LM, or ``batch["shift_labels"]``;
+  as they are for a masked LM and for an encoder-decoder's decoder); a head named by path
+  needs ``targets="causal"`` / ``"aligned"`` / ``"seq2seq"``, or ``targets=lambda batch: ...``
+  returning ids aligned with the head's output positions (``config.ignore_index`` where no
+  loss is taken). Packed batches: ``batch["position_ids"]`` restarting at each example (or
+  ``seq_idx`` / ``cu_seq_lens_q``) keeps SimCTG's pairs and IntraSim's sentences inside one
+  example.
 
 How it maps onto Lightning 2.6 (docs/design.md walks through it): head surgery in
 ``setup`` (before ``configure_model``, wrapping and optimizers); the run's facts (epoch
@@ -30,12 +34,13 @@ checkpoint through ``state_dict`` / ``load_state_dict``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from aniso_plugins import AnisoConfig, SetupError, TrainingSession, find_handle
+from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession, find_handle
+from aniso_plugins.targets import TargetRule, target_rule
 
 try:
     import lightning.pytorch as pl
@@ -51,8 +56,9 @@ class AnisoCallback(pl.Callback):
     config: the `AnisoConfig`; plugins: extra plugin objects.
     head / input_embedding / blocks: submodule paths in the LightningModule (default: find a
         module with ``get_output_embeddings()``).
-    targets: batch -> targets aligned with the head's outputs (default: causal shift of
-        ``batch["labels"]``).
+    targets: how a batch's targets align with the head's outputs: None (as the found HF
+        model's loss aligns ``batch["labels"]``), "causal", "aligned", "seq2seq", or a
+        function batch -> ids aligned with the head's outputs.
     """
 
     def __init__(
@@ -63,12 +69,13 @@ class AnisoCallback(pl.Callback):
         head: str | None = None,
         input_embedding: str | None = None,
         blocks: str | None = None,
-        targets: Callable[[Any], torch.Tensor] | None = None,
+        targets: str | Callable[[Any], torch.Tensor] | None = None,
     ) -> None:
         self.session = TrainingSession(config, plugins)
         self.config = self.session.config
         self._paths = dict(head=head, input_embedding=input_embedding, blocks=blocks)
-        self._targets = targets or self._batch_targets
+        self._targets = targets
+        self._rule: TargetRule | None = None
         self._stepped_at: int | None = None
         self._eval_batch = contextlib.ExitStack()  # session.evaluating(...) from batch start to end
 
@@ -76,14 +83,14 @@ class AnisoCallback(pl.Callback):
     def state_key(self) -> str:
         return self._generate_state_key(method="+".join(self.config.method), head=self.config.head)
 
-    def _batch_targets(self, batch: Any) -> torch.Tensor:
-        targets = self.session.targets_of(batch)
-        if targets is None:
+    def _read(self, batch: Any):
+        read = self._rule.read(batch, self.config.ignore_index)
+        if read.targets is None:
             raise SetupError(
                 "AnisoCallback: the batch is not a dict with 'labels' (or 'shift_labels'); pass "
                 "targets=lambda batch: ... returning the next-token ids aligned with the LM head's output"
             )
-        return targets
+        return read
 
     # --- set-up -----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -91,7 +98,10 @@ class AnisoCallback(pl.Callback):
             return
         if not pl_module.automatic_optimization:
             raise SetupError("AnisoCallback needs automatic optimization (manual optimization is not supported)")
-        self.session.setup(find_handle(pl_module, **self._paths))
+        handle = find_handle(pl_module, **self._paths)
+        rule = target_rule(self._targets, handle.model if isinstance(handle, OutputEmbeddingsHandle) else None)
+        self.session.setup(handle)
+        self._rule = rule
 
     def detach(self, keep_head: bool = False) -> None:
         """Undo what this callback did to the model: its forwards, hooks, head and tying are
@@ -124,14 +134,15 @@ class AnisoCallback(pl.Callback):
         window = acc if total == float("inf") else min(acc, int(total) - window_start)
         last = batch_idx - window_start == window - 1
         step = trainer.global_step + 1
-        inputs = batch if isinstance(batch, Mapping) else {}
+        read = self._read(batch)
         self.session.begin_micro_batch(
-            self._targets(batch),
+            read.targets,
             step=step,
             accumulation_steps=window,
             measure=self._due(trainer, step),
-            input_ids=inputs.get("input_ids"),
-            attention_mask=inputs.get("attention_mask"),
+            input_ids=read.input_ids,
+            attention_mask=read.attention_mask,
+            sequence_ids=read.sequence_ids,
         )
         self._stepped_at = step if last else None
 
@@ -153,7 +164,7 @@ class AnisoCallback(pl.Callback):
     # --- evaluation -------------------------------------------------------------------------
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if not trainer.sanity_checking and self.session.wants_eval_batches:
-            self._eval_batch.enter_context(self.session.evaluating(self._targets(batch)))
+            self._eval_batch.enter_context(self.session.evaluating(self._read(batch).targets))
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._eval_batch.close()

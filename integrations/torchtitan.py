@@ -28,9 +28,11 @@ Two ways to turn aniso_plugins on (docs/design.md, "torchtitan"):
 What runs where (torchtitan calls the loss once per micro-batch; its `ChunkedLossWrapper` calls
 the LM head once per sequence chunk):
 
-- `AnisoChunkedLoss` (a `ChunkedLossWrapper`): per training micro-batch it hands the labels,
-  the number of head calls (``num_chunks``) and torchtitan's ``global_valid_tokens`` to
-  `aniso_plugins.TrainingSession.begin_micro_batch`; the plugins do the rest (AGG counts the
+- `AnisoChunkedLoss` (a `ChunkedLossWrapper`): per training micro-batch it hands the labels
+  (aligned with the head's outputs already: torchtitan's datasets shift them), the number of
+  head calls (``num_chunks``), torchtitan's ``global_valid_tokens`` and, with document
+  masking, the documents of each packed row (from the ``positions`` that restart per
+  document) to `aniso_plugins.TrainingSession.begin_micro_batch`; the plugins do the rest (AGG counts the
   targets, summed over the data-parallel ranks, and arms the head). When the session says the
   head computes the loss (``method="agg"`` with ``agg_fused``, the default here) it calls the
   head once on the micro-batch's hidden states and returns what the head returns: the core's
@@ -75,7 +77,7 @@ from typing import Annotated, Any
 import torch
 from torch import nn
 
-from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession
+from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession, sequence_ids
 
 try:
     import tyro
@@ -155,7 +157,9 @@ class AnisoChunkedLoss(ChunkedLossWrapper):
                 "AnisoChunkedLoss is not connected to the trainer: use an AnisoTrainer recipe, or add "
                 "aniso_plugins.integrations.torchtitan.aniso_checkpoint to --override.imports"
             )
-        runtime.begin_micro_batch(labels, head_calls=self.num_chunks, loss_normalizer=global_valid_tokens)
+        runtime.begin_micro_batch(
+            labels, head_calls=self.num_chunks, loss_normalizer=global_valid_tokens, positions=loss_inputs.get("positions")
+        )
         pred = runtime.session.attach_activation_terms(pred)  # SimCTG & co. on the whole micro-batch
         if runtime.session.head_computes_loss:
             return self.lm_head(pred), {}
@@ -337,8 +341,16 @@ class AnisoRuntime:
             checkpointer.states[STATE_KEY] = AnisoCheckpointState(self.session)
         loss.runtime = self
 
-    def begin_micro_batch(self, labels: torch.Tensor, head_calls: int, loss_normalizer: torch.Tensor) -> None:
-        """Announce a training micro-batch of the current step."""
+    def begin_micro_batch(
+        self,
+        labels: torch.Tensor,
+        head_calls: int,
+        loss_normalizer: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> None:
+        """Announce a training micro-batch of the current step: torchtitan's `labels` are aligned
+        with the head's outputs already (its datasets shift them); `positions`, with document
+        masking, restart at each document of a packed row (`aniso_plugins.sequence_ids`)."""
         step = self.trainer.step
         self.session.begin_micro_batch(
             labels,
@@ -347,6 +359,7 @@ class AnisoRuntime:
             measure=self.session.measures_at(step, self.metrics.should_log(step)),
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,
+            sequence_ids=sequence_ids(labels.shape, position_ids=positions),
         )
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:

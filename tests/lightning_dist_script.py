@@ -28,7 +28,7 @@ class Record(pl.Callback):
 
 
 cfg = AnisoConfig(method="agg", alpha=0.5, window=4, metrics=("geometry",), load_entry_points=False)
-cb = AnisoCallback(cfg, [HeadNormPlugin(0.5)], head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+cb = AnisoCallback(cfg, [HeadNormPlugin(0.5)], head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
 record = Record()
 if mode == "single":
     kw = dict(devices=1)

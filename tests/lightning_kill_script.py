@@ -44,7 +44,7 @@ def main() -> None:
     a = parser.parse_args()
     callback = AnisoCallback(
         AnisoConfig(method="agg", alpha=0.5, window=3, metrics=(), load_entry_points=False),
-        head="model.lm_head", input_embedding="model.embed", blocks="model.blocks",
+        head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal",
     )
     ckpt = ModelCheckpoint(dirpath=os.path.join(a.output, "ck"), every_n_train_steps=8, save_top_k=1,
                            monitor="step", mode="max")

@@ -22,7 +22,7 @@ from third_party_plugin import HeadNormPlugin
 from token_data import VOCAB
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PATHS = dict(head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+PATHS = dict(head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
 
 
 def fit(tmp_path, config=None, plugins=(), callbacks=(), module=None, ckpt_path=None, **trainer_kw):

@@ -31,7 +31,7 @@ from aniso_plugins.integrations.lightning import AnisoCallback as LightningCallb
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 QUIET = dict(report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0)
-PATHS = dict(head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+PATHS = dict(head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
 
 
 def cfg(**kw) -> AnisoConfig:

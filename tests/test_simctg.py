@@ -287,7 +287,7 @@ def _lightning_run(tmp_path, method):
     start = copy.deepcopy(module)
     cap = GradCapture()
     cfg = _config(method=method, simctg_margin=MARGIN, simctg_weight=WEIGHT, simctg_block=4)
-    cb = AnisoCallback(cfg, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+    cb = AnisoCallback(cfg, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0, accumulate_grad_batches=2,

@@ -631,7 +631,7 @@ def test_lightning_head_and_hidden_uniformity_under_gradient_accumulation(tmp_pa
     import lightning.pytorch as pl
 
     from aniso_plugins.integrations.lightning import AnisoCallback
-    from aniso_plugins.session import causal_targets
+    from aniso_plugins import causal_targets
     from lightning_utils import GradCapture, LitLM, loader
 
     weight = 0.5
@@ -644,7 +644,7 @@ def test_lightning_head_and_hidden_uniformity_under_gradient_accumulation(tmp_pa
             method=method, uniformity_on=("head", "hidden"), uniformity_weight=weight, uniformity_block=5,
             metrics=(), load_entry_points=False,
         )
-        cb = AnisoCallback(cfg, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks")
+        cb = AnisoCallback(cfg, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
         trainer = pl.Trainer(
             accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),

@@ -63,6 +63,7 @@ class AGGPlugin:
         bad = [i for i in config.special_ids if i >= vocab]
         if bad:
             raise ConfigError(f"special_ids={config.special_ids!r}: ids {bad} are >= the vocabulary size {vocab}")
+        model.require_trainable_head("method='agg'")
         head = model.head()
         check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
         self.model = model

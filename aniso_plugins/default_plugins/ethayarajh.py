@@ -58,7 +58,7 @@ class EthayarajhPlugin:
         self.model: ModelHandle | None = None
         self.layers = 0
         self._active = False
-        self._positions: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, counted)
+        self._positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # ids, counted, sentences
         self._words: WordSet | None = None
         self._pair_share = float("nan")
         self._stats: dict[int, dict[str, Stat]] = {}
@@ -91,7 +91,7 @@ class EthayarajhPlugin:
         )
         # collective-safe hook: every rank chooses the words from the same global counts
         counts = reduce_stats({PREFIX + "counts": Stat(word_counts(ids, self.model.vocab_size))})[PREFIX + "counts"]
-        self._positions = (ids, counted)
+        self._positions = (ids, counted, step.sequence_ids)
         self._words = choose_words(counts, self.config.ethayarajh_words)
         self._pair_share = baseline_pair_share(counts, self._words)
         self._stats = {}
@@ -108,7 +108,7 @@ class EthayarajhPlugin:
             x = output[0] if isinstance(output, tuple | list) else output
             if not isinstance(x, torch.Tensor):
                 return
-            ids, counted = self._positions
+            ids, counted, sentences = self._positions
             if tuple(x.shape[:-1]) != tuple(ids.shape):
                 self._warn_once(
                     "shape",
@@ -119,7 +119,7 @@ class EthayarajhPlugin:
                     tuple(ids.shape),
                 )
                 return
-            self._stats[index] = layer_stats(x, ids, counted, self._words, f"{PREFIX}layer_{index}/")
+            self._stats[index] = layer_stats(x, ids, counted, self._words, f"{PREFIX}layer_{index}/", sentences)
 
         return hook
 

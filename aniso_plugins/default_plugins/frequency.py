@@ -57,7 +57,7 @@ class FrequencyGroupsPlugin:
         if kind != "train" or round_index > 1:
             return None
         counter = self.counts.ready()
-        lr = local_rows(self.model.head().weight.detach())
+        lr = local_rows(self.model.head_weight().detach())
         if round_index == 0:
             self._groups = frequency_groups(counter.counts, self.config.group_fractions)
         mine = self._groups[lr.offset : lr.offset + lr.rows.shape[0]].to(lr.rows.device)

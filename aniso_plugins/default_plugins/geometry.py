@@ -67,7 +67,7 @@ class GeometryPlugin:
         embedding that is not tied to the head."""
         if self.model is None:
             raise RuntimeError("GeometryPlugin: aniso_setup(model, config) must run first")
-        out = {"head": self.model.head().weight}
+        out = {"head": self.model.head_weight()}
         embedding = self.model.input_embedding()
         if embedding is not None and not self.model.tied():
             out["embedding"] = getattr(embedding, "weight", None)

@@ -37,6 +37,7 @@ class HeadSurgeryPlugin:
 
     @hookimpl(tryfirst=True)
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        model.require_trainable_head(f"head={config.head!r}")
         if config.head == "untie":
             model.untie()
             return

@@ -59,6 +59,7 @@ class RegularizerPlugin:
             raise ConfigError(
                 f"reg_exclude_ids={config.reg_exclude_ids!r}: ids {bad} are >= the vocabulary size {model.vocab_size}"
             )
+        model.require_trainable_head(f"method={self.method!r}")
         self.model = model
 
     def penalty(self, weight: torch.Tensor, step: StepInfo) -> torch.Tensor:

@@ -89,6 +89,11 @@ class SimCSEPlugin:
                 "method='simcse': this trainer adapter passes no input_ids, so the sentence pairs of a micro-batch "
                 "cannot be checked; SimCSE needs an adapter with dict batches (HF Trainer, Lightning)"
             )
+        if step.sequence_ids is not None:
+            raise ConfigError(
+                "method='simcse' with a packed micro-batch (several sentences per row, e.g. DataCollatorWithFlattening): "
+                f"SimCSE pools one sentence per row; {_FIX}"
+            )
         if ids.dim() != 2 or ids.shape[0] % 2:
             raise ConfigError(
                 f"method='simcse': a micro-batch of input_ids {tuple(ids.shape)} is not (2N, T) pairs: {_FIX}"

@@ -27,7 +27,8 @@ from ..steps import StepInfo
 class SimCTGPlugin:
     """Adds ``config.simctg_weight · L_CL`` (margin ``simctg_margin``, ``simctg_block`` query
     positions per block) on every training micro-batch; positions whose target is
-    ``config.ignore_index`` (padding, the last position of a causal LM) take no part."""
+    ``config.ignore_index`` (padding, the last position of a causal LM) take no part, and in a
+    packed micro-batch (``step.sequence_ids``) pairs stay within one example."""
 
     name = "simctg"
 
@@ -37,7 +38,7 @@ class SimCTGPlugin:
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
-        count = simctg_pair_count(targets != self.config.ignore_index)
+        count = simctg_pair_count(targets != self.config.ignore_index, step.sequence_ids)
         if is_distributed():  # collective-safe hook: every rank, every micro-batch
             dist.all_reduce(count, op=dist.ReduceOp.SUM)
         self._pair_count = count
@@ -58,7 +59,9 @@ class SimCTGPlugin:
                 f"simctg: the LM head's input {tuple(hidden.shape)} and the targets {tuple(targets.shape)} are not "
                 "aligned; expected hidden (..., T, d) and targets (..., T) of one micro-batch"
             )
-        total, _ = simctg_pair_sums(hidden, targets != cfg.ignore_index, cfg.simctg_margin, cfg.simctg_block)
+        total, _ = simctg_pair_sums(
+            hidden, targets != cfg.ignore_index, cfg.simctg_margin, cfg.simctg_block, step.sequence_ids
+        )
         # no pair anywhere: total is a 0 still connected to `hidden` (a zero share, no division by 0)
         share = total * (cfg.simctg_weight / step.accumulation_steps) / count.clamp_min(1).to(total.dtype)
         return {self.name: share}

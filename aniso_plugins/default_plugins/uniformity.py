@@ -76,6 +76,8 @@ class UniformityPlugin:
             raise ConfigError(
                 f"reg_exclude_ids={config.reg_exclude_ids!r}: ids {bad} are >= the vocabulary size {model.vocab_size}"
             )
+        if "head" in config.uniformity_on:
+            model.require_trainable_head("method='uniformity' on the head rows")
         self.model = model
 
     def head_value(self, weight: torch.Tensor, step: StepInfo) -> torch.Tensor:
@@ -173,7 +175,7 @@ class UniformityMetricPlugin:
 
     def _head_rows(self, step: StepInfo) -> torch.Tensor:
         """This rank's share of the (k × d) float64 buffer of sampled head rows (zeros elsewhere)."""
-        weight = local_rows(self.model.head().weight.detach())
+        weight = local_rows(self.model.head_weight().detach())
         total, k = weight.total, min(self.config.uniformity_rows, weight.total)
         device = weight.rows.device
         if k == total:
