@@ -62,11 +62,14 @@ def token_positions(
     attention_mask: torch.Tensor | None = None,
     ignore_index: int = -100,
     vocab_size: int | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, counted), both shaped like `targets` ``(..., T)``.
 
     counted: the positions that belong to their sentence: ``attention_mask != 0`` when a mask of
-    that shape is given, else ``targets != ignore_index`` (as the hidden-state metric).
+    that shape is given; else, in a packed batch (`sequence_ids`, which has no padding inside an
+    example), every position of an example with a target (what the attention mask of the same
+    examples padded says); else ``targets != ignore_index`` (as the hidden-state metric).
     ids: the token whose representation sits at each position, −1 where unknown or not counted:
     `input_ids` when given (same shape), else the causal shift of the targets (the input at
     position t is the target of t − 1; position 0, and positions after an ignored target, are
@@ -78,6 +81,13 @@ def token_positions(
         )
     if attention_mask is not None and tuple(attention_mask.shape) == tuple(targets.shape):
         counted = attention_mask.to(targets.device) != 0
+    elif sequence_ids is not None and tuple(sequence_ids.shape) == tuple(targets.shape):
+        rows = targets.reshape(-1, targets.shape[-1])
+        seg = sequence_ids.reshape(rows.shape).to(targets.device, torch.int64)
+        keys = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1) * rows.shape[1] + (seg - seg.min(-1, keepdim=True).values)
+        has_target = torch.zeros(rows.numel(), dtype=torch.bool, device=rows.device)
+        has_target[keys[rows != ignore_index]] = True
+        counted = has_target[keys].reshape(targets.shape)
     else:
         counted = targets != ignore_index
     if input_ids is not None:

@@ -169,11 +169,14 @@ def test_simcse_without_its_collator_fails_before_the_first_update(tmp_path):
 # --- silently wrong runs now raise ---------------------------------------------------------------
 def test_a_second_callback_that_changes_the_head_is_refused_and_a_replaced_head_stops_agg(tmp_path):
     model = tiny_gpt2()
+    before = fingerprint(model)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, **QUIET)
     agg = AnisoCallback(cfg(method="agg", window=3))
     with pytest.raises(SetupError, match="one AnisoCallback per Trainer"):
         Trainer(model=model, args=args, train_dataset=TokenDataset(),
                 callbacks=[agg, AnisoCallback(cfg(head="lowrank", lowrank_rank=4))])
+    assert_unchanged(before, model)  # neither callback set anything up: no detach needed to retry
+    Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[agg]).train()
     agg.detach()
     # whatever replaces the head after AGG's set-up, AGG refuses to run as if it gated it
     from aniso_plugins import LowRankHead, OutputEmbeddingsHandle

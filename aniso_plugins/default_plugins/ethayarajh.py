@@ -87,7 +87,8 @@ class EthayarajhPlugin:
             )
             input_ids = None
         ids, counted = token_positions(
-            targets.detach(), input_ids, step.attention_mask, self.config.ignore_index, self.model.vocab_size
+            targets.detach(), input_ids, step.attention_mask, self.config.ignore_index, self.model.vocab_size,
+            step.sequence_ids,
         )
         # collective-safe hook: every rank chooses the words from the same global counts
         counts = reduce_stats({PREFIX + "counts": Stat(word_counts(ids, self.model.vocab_size))})[PREFIX + "counts"]
