@@ -171,11 +171,12 @@ class Observer:
     name = "observer"
 
     def __init__(self):
-        self.targets, self.logged = [], []
+        self.targets, self.steps, self.logged = [], [], []
 
     @hookimpl
     def aniso_targets(self, targets, step):
         self.targets.append(targets.clone())
+        self.steps.append(step)
 
     @hookimpl
     def aniso_log(self, metrics, step, kind):
@@ -249,3 +250,63 @@ def _numbers(tree):
             yield from _numbers(v)
     elif isinstance(tree, float):
         yield tree
+
+
+def test_a_head_named_by_path_needs_its_target_alignment(tmp_path):
+    """A plain-PyTorch model says nothing of how its loss aligns the labels: the callback asks
+    instead of guessing a causal shift."""
+    paths = {k: v for k, v in PATHS.items() if k != "targets"}
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False), **paths)])  # fmt: skip
+    module = LitLM()
+    with pytest.raises(SetupError, match="targets='causal'"):
+        trainer.fit(module, loader())
+    assert "forward" not in module.model.lm_head.__dict__ and not module.model.lm_head._forward_hooks
+
+
+class LitMaskedLM(pl.LightningModule):
+    """A transformers BertForMaskedLM inside a LightningModule (labels -100 except masked positions)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        torch.manual_seed(0)
+        self.bert = BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                               intermediate_size=32, max_position_embeddings=16))  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        return self.bert(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_default_targets_follow_the_hf_models_loss_masked_lm_and_packed_rows(tmp_path):
+    def masked(items):
+        batch = torch.utils.data.default_collate(items)
+        labels = torch.full_like(batch["labels"], -100)
+        labels[:, 2::3] = batch["labels"][:, 2::3]
+        return {"input_ids": batch["input_ids"], "labels": labels}
+
+    observer = Observer()
+    cb = AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False), [observer])
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb])  # fmt: skip
+    data = loader()
+    trainer.fit(LitMaskedLM(), torch.utils.data.DataLoader(data.dataset, batch_size=4, collate_fn=masked))
+    (targets,) = observer.targets
+    assert (targets[:, 2::3] != -100).all() and (targets[:, 0::3] == -100).all()  # unshifted, as BERT's loss
+
+    def packed(items):  # two examples of 4 tokens per row, position_ids restarting (the documented key)
+        batch = torch.utils.data.default_collate(items)
+        batch["position_ids"] = torch.arange(8).remainder(4).expand(len(items), 8)
+        return batch
+
+    observer = Observer()
+    cb = AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False), [observer], **PATHS)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb])  # fmt: skip
+    trainer.fit(LitLM(), torch.utils.data.DataLoader(data.dataset, batch_size=4, collate_fn=packed))
+    assert observer.steps[0].sequence_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]] * 4

@@ -322,3 +322,33 @@ def test_counts_file_defines_the_groups(zoo, tmp_path):
     assert torch.equal(text["_groups"], torch.from_numpy(groups))
     with pytest.raises(report_mod.ReportError, match="needs --text-file"):
         report_mod.analyze([str(zoo / "gpt2")], counts_file=tmp_path / "counts.txt", progress=False)
+
+
+def test_encoder_decoder_text_pass_measures_the_decoder(zoo, tmp_path):
+    """A Marian directory is an encoder-decoder (it was read as a bare encoder whose forward fails
+    without decoder inputs): the text feeds both sides and the decoder's blocks are measured."""
+    tok = transformers.AutoTokenizer.from_pretrained(zoo / "gpt2", local_files_only=True)
+    v = len(tok)
+    torch.manual_seed(0)
+    model = transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=v, d_model=24, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=0, eos_token_id=0,
+        decoder_start_token_id=0))  # fmt: skip
+    model.save_pretrained(tmp_path / "marian")
+    tok.save_pretrained(tmp_path / "marian")
+    r = run_cli(tmp_path / "marian", "--text-file", zoo / "text.txt", "--out", tmp_path / "rep", "--max-tokens", MAX_TOKENS,
+                "--no-plots", "--json", "--quiet")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (entry,) = json.loads(r.stdout)["models"]
+    assert entry["kind"] == "seq2seq-lm" and entry["tied"] is True
+    text = entry["text"]
+    assert "eval" not in text and len(text["hidden_mean_cosine"]) == 2  # the decoder's 2 blocks, not the encoder's 1
+    # the decoder's labels are the text as it is: every token of the 64-token blocks is a target
+    assert text["counted_targets"] == text["sequences"] * text["sequence_length"]
+    blocks = torch.tensor(tok(_text(), add_special_tokens=False)["input_ids"][:MAX_TOKENS])
+    blocks = blocks[: len(blocks) // 64 * 64].view(-1, 64)
+    model = transformers.MarianMTModel.from_pretrained(tmp_path / "marian", local_files_only=True).eval()
+    with torch.no_grad():
+        hs = model(input_ids=blocks[:8], labels=blocks[:8], output_hidden_states=True).decoder_hidden_states
+    h0 = hs[1].reshape(-1, hs[1].shape[-1]).double().numpy()
+    assert text["hidden_mean_cosine"][0] == pytest.approx(ref_mean_cosine(h0), rel=1e-4)  # all 8·64 < 1000 sampled

@@ -327,6 +327,10 @@ def test_batches_that_are_not_pairs_are_refused_before_the_first_step(tmp_path):
     ids = ids[:1]
     with pytest.raises(ConfigError, match="not \\(2N, T\\) pairs"):
         session.begin_micro_batch(torch.full_like(ids, -100), step=1, input_ids=ids, attention_mask=(ids != 0).long())
+    packed = torch.tensor([[2, 5, 3, 2, 5, 3], [2, 5, 3, 2, 5, 3]])  # two sentences per row
+    with pytest.raises(ConfigError, match="packed micro-batch"):
+        session.begin_micro_batch(torch.full_like(packed, -100), step=1, input_ids=packed,
+                                  sequence_ids=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))  # fmt: skip
 
 
 def test_simcse_spreads_held_out_sentence_embeddings(tmp_path):

@@ -103,6 +103,25 @@ def test_value_and_gradient_equal_the_explicit_loop(block, margin):
     assert ((cos > 1 - margin).sum() > 3) and ((cos < 1 - margin).sum() > 3)
 
 
+def test_packed_rows_pair_only_within_each_example():
+    """Segments (a packed row's example ids) give exactly the loss of the examples as rows of their
+    own: pairs never cross examples, the count is Σ over examples of n(n − 1)."""
+    h, valid = _hidden(), _valid()
+    segments = torch.tensor([0, 0, 0, 1, 1, 2, 2]).expand(h.shape[:-1])
+    x = h.clone().requires_grad_(True)
+    loss = simctg_loss(x, valid, 0.5, 2, segments=segments)
+    (grad,) = torch.autograd.grad(loss, x)
+    y = h.clone().requires_grad_(True)
+    total, count = h.new_zeros((), dtype=torch.float64), 0
+    for lo, hi in ((0, 3), (3, 5), (5, 7)):  # each example as its own rows
+        t, c = ref_pair_sums(y[..., lo:hi, :], valid[..., lo:hi], 0.5)
+        total, count = total + t, count + c
+    (ref_grad,) = torch.autograd.grad(total / count, y)
+    assert int(simctg_pair_count(valid, segments)) == count < int(simctg_pair_count(valid))
+    torch.testing.assert_close(loss.detach(), (total / count).detach(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-14)
+
+
 def test_leading_dimensions_and_zero_vectors():
     h, valid = _hidden(b=6), _valid(b=6)
     h[2, 3] = 0.0  # a zero hidden state at a valid position: cosine 0 with every other, no NaN

@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("torchtitan")
 
-from aniso_plugins import AnisoConfig, ConfigError, SetupError  # noqa: E402
+from aniso_plugins import AnisoConfig, ConfigError, SetupError, hookimpl  # noqa: E402
 from references import agg_output_grad  # noqa: E402
 from torchtitan_data import rank_order, write_assets  # noqa: E402
 
@@ -526,3 +526,32 @@ def test_stock_checkpoint_resumes_with_exclude_from_loading(runs):
     assert "Training starts at step 3" in record["log"]
     assert "no AGG state was restored" in record["log"]  # the counter starts empty, and says so
     assert int(record["aniso_state"]["agg"]["step"][0]) == 3  # it counted steps 3 and 4 only
+
+
+def test_document_masking_positions_split_packed_rows_into_their_documents():
+    """torchtitan's document masking hands the loss `positions` restarting at each document of a
+    packed row: the plugins see those documents (SimCTG pairs and IntraSim sentences stay in one)."""
+    from types import SimpleNamespace
+
+    from aniso_plugins.integrations.torchtitan import AnisoRuntime
+
+    trainer = _fake_trainer()
+    trainer.metrics_processor = SimpleNamespace(should_log=lambda step: False)
+    runtime = AnisoRuntime(trainer, AnisoConfig(metrics=(), load_entry_points=False), SimpleNamespace(enable=False))
+    trainer.loss_fn.set_lm_head(trainer.model_parts[0].lm_head)
+    seen = []
+
+    class Probe:
+        @hookimpl
+        def aniso_targets(self, targets, step):
+            seen.append((targets, step.sequence_ids))
+
+    runtime.session.plugins.pm.register(Probe())
+    trainer.step = 1
+    labels = torch.randint(0, 16, (2, 8))  # 8 positions: torchtitan's 8 chunks of one
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7]])
+    pred = torch.randn(2, 8, 8, requires_grad=True)
+    trainer.loss_fn(pred, labels, torch.tensor(12), positions=positions)
+    trainer.loss_fn(pred, labels, torch.tensor(12))  # no document masking: each row is one sequence
+    assert seen[0][0] is labels  # torchtitan's labels are aligned with the head's outputs already
+    assert seen[0][1].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8] and seen[1][1] is None
