@@ -11,7 +11,7 @@ Parameters, same tying, same forwards)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -89,6 +89,17 @@ class ModelHandle:
         """The (V, d) matrix the head multiplies by, for metrics: ``head().weight`` (a LoRA-adapted
         head's W + ΔW in `OutputEmbeddingsHandle`)."""
         return self.head().weight
+
+    def register_logits_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook(logits)`` after every forward with the logits the model's loss reads: the
+        head's output here (`OutputEmbeddingsHandle`: the model output's ``logits``, after any
+        logit bias or soft-cap the model applies to the head's output); removed by `restore`."""
+
+        def on_output(module: nn.Module, args, output) -> None:
+            if isinstance(output, torch.Tensor):
+                hook(output)
+
+        self.on_restore(self.head().register_forward_hook(on_output).remove)
 
     def require_trainable_head(self, who: str) -> None:
         """Raise `SetupError` unless the head's own weight is trained: `who` (a method that changes
@@ -276,6 +287,14 @@ class OutputEmbeddingsHandle(ModelHandle):
                     else f": unfreeze {name!r} or drop the method"
                 )
             )
+
+    def register_logits_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        def on_output(module: nn.Module, args, output) -> None:
+            logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+            if isinstance(logits, torch.Tensor):
+                hook(logits)
+
+        self.on_restore(self.model.register_forward_hook(on_output).remove)
 
     def _head_name(self) -> str:
         head = self.model.get_output_embeddings()

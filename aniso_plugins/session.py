@@ -143,6 +143,7 @@ class TrainingSession:
             handle.on_restore(pre.remove)
             hook = head.register_forward_hook(self._on_head_output)
             handle.on_restore(hook.remove)
+            handle.register_logits_hook(self._on_logits)
         except BaseException:
             handle.restore()
             raise
@@ -313,13 +314,16 @@ class TrainingSession:
             self._head_input = args[0]
         return None
 
-    def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
-        if self._eval is not None:
-            targets = None if self._eval_paused else self._eval.take(output.shape[:-1])
+    def _on_logits(self, logits: torch.Tensor) -> None:
+        """The logits the model's loss reads (`ModelHandle.register_logits_hook`): inside
+        `evaluating`, the evaluation batch's."""
+        if self._eval is not None and not self._eval_paused:
+            targets = self._eval.take(logits.shape[:-1])
             if targets is not None:
-                self.plugins.eval_batch(output.detach(), targets)
-            return None
-        if not (module.training and torch.is_grad_enabled()):
+                self.plugins.eval_batch(logits.detach(), targets)
+
+    def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
+        if self._eval is not None or not (module.training and torch.is_grad_enabled()):
             return None
         total = None
         hidden, self._head_input = self._head_input, None

@@ -386,3 +386,30 @@ def test_a_model_whose_loss_convention_is_unknown_is_refused_at_trainer_naming_t
     targets, _ = probe.seen[0]
     rows = {tuple(r.tolist()) for r in TokenDataset().ids}
     assert all(tuple(r.tolist()) in rows for r in targets)  # the labels as they are
+
+
+# --- a model that transforms the head's logits before its loss ------------------------------------------
+def test_post_head_logit_transforms_evaluated_and_probed_as_the_model_computes_its_loss(tmp_path, caplog):
+    """Gemma2 soft-caps the head's logits; the evaluation metrics read the model's own logits
+    (they read the head's before: ppl 95.4 against exp(eval_loss) 70.4), and the update
+    efficiency, which perturbs the head logits' cross-entropy, is NaN with a warning."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                           final_logit_softcapping=2.0, max_position_embeddings=32, pad_token_id=0))  # fmt: skip
+    config = cfg(metrics=("eval", "bottleneck"), update_efficiency=True)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, logging_steps=1,
+                             **QUIET)  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(), eval_dataset=TokenDataset(n=8, seed=1),
+                      callbacks=[AnisoCallback(config)])  # fmt: skip
+    with caplog.at_level("WARNING", logger="aniso_plugins"):
+        trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_aniso/eval/ppl"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-5)
+    record = trainer.state.log_history[0]
+    assert 0 < record["aniso/bottleneck/lost_fraction"] < 1  # the probe itself reads the true gradients
+    assert record["aniso/bottleneck/update_efficiency/tokens"] == 0  # no probe rows
+    assert math.isnan(record["aniso/bottleneck/update_efficiency/cos"])
+    assert "changes the head's logits before its loss" in caplog.text

@@ -268,17 +268,7 @@ def arch_baseline(arch_name, zoo_tmp):
     return baseline(arch_name, "plain", zoo_tmp, make)
 
 
-def weight_reference(arch, run, base, mode, **kw):
-    """Reference gradient of the head weight: output side of `mode` (+ the input lookup, for a
-    tied head, from the run without the callback)."""
-    got = output_side(arch, run, mode, **kw)
-    if not arch.tied:
-        return got["dW"], got
-    plain = output_side(arch, base)
-    return base.grads["weight"].double() - plain["dW"] + got["dW"], got
-
-
-def check_method(arch, method, run, base, *, tied=None, base_tied_grad=True, alt_targets=None, segments=None,
+def check_method(arch, method, run, base, *, tied=None, alt_targets=None, segments=None,
                  alt_segments=False, smoothing=0.0, rtol=1e-4, relative_norm=False, forward=True):
     """Checks (a) and (b) for `method` on `run`, against `base` (the run without the callback)."""
     tied = arch.tied if tied is None else tied

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import transformers as T
 from transformers import TrainerCallback, default_data_collator
 

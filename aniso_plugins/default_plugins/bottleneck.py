@@ -116,6 +116,8 @@ class BottleneckPlugin:
         self.handles = [head.register_forward_pre_hook(self._pre_forward), head.register_forward_hook(self._forward)]
         for handle in self.handles:
             model.on_restore(handle.remove)
+        if self.efficiency:
+            model.register_logits_hook(self._check_final_logits)
 
     def due(self, step: StepInfo) -> bool:
         """Whether `step` is a probe step (see the module docstring)."""
@@ -170,6 +172,23 @@ class BottleneckPlugin:
         rows = flat.index_select(0, index.to(flat.device))
         self._logit_rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
         self._factors = factors
+
+    def _check_final_logits(self, logits: torch.Tensor) -> None:
+        """Update efficiency perturbs the cross-entropy of the head's logits: a model that changes
+        them before its loss (a logit bias, a soft-cap) gets no value for this probe, with a warning."""
+        if self._logit_rows is None or logits.shape[-1] != self._logit_rows.shape[-1]:
+            return
+        flat = logits.detach().reshape(-1, logits.shape[-1])
+        if flat.shape[0] != self._rows[2]:
+            return
+        rows = flat.index_select(0, self._rows[0].to(flat.device)).to(self._logit_rows.dtype)
+        if not torch.equal(rows, self._logit_rows):
+            self._warn_once(
+                "transform",
+                "aniso_plugins bottleneck: no update efficiency: the model changes the head's logits before its loss "
+                "(a logit bias or soft-cap), and the metric perturbs the cross-entropy of the head's own logits",
+            )
+            self._logit_rows = None
 
     def _on_logits_grad(self, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1, grad.shape[-1])
