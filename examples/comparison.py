@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 METHODS: dict[str, dict] = {
     "mle": dict(method="none"),
     "agg": dict(method="agg", alpha=0.03),
@@ -52,3 +55,24 @@ def print_table(title: str, metrics: dict[str, float], eval_prefix: str) -> dict
     for label, value in rows.items():
         print(f"  {label:<{width}}  {value:.4g}")
     return rows
+
+
+def mean_std(values: list[float | None]) -> str:
+    """"mean ± std" over seeds (sample std; the mean alone for one seed; "n/a" with no finite value)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return "n/a"
+    mean = statistics.fmean(finite)
+    return f"{mean:.4g} ± {statistics.stdev(finite):.2g}" if len(finite) > 1 else f"{mean:.4g}"
+
+
+def summary_table(runs: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Markdown: one row per method of `runs` (records with "method" and a "final" metrics dict),
+    mean ± std over its seeds of each (label, metric key) column."""
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    lines = ["| method | seeds | " + " | ".join(label for label, _ in columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for m in methods:
+        mine = [r for r in runs if r["method"] == m]
+        cells = [mean_std([r["final"].get(key) for r in mine]) for _, key in columns]
+        lines.append(f"| {m} | {len(mine)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -31,7 +31,7 @@ import statistics
 import time
 from pathlib import Path
 
-from comparison import add_run_arguments
+from comparison import add_run_arguments, summary_table
 from hf_train import train
 
 # name -> AnisoConfig fields; every run also measures the bottleneck probe
@@ -89,26 +89,6 @@ def one_run(name: str, seed: int, a: argparse.Namespace) -> tuple[dict, object]:
     }
     record = {"method": name, "seed": seed, "wall_s": wall, "final": {**metrics, "wall_s": wall}, "history": history}
     return record, trainer.model
-
-
-def mean_std(values: list[float]) -> str:
-    """"mean ± std" over seeds (sample std; the mean alone for one seed)."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    if not finite:
-        return "n/a"
-    mean = statistics.fmean(finite)
-    return f"{mean:.4g} ± {statistics.stdev(finite):.2g}" if len(finite) > 1 else f"{mean:.4g}"
-
-
-def summary_table(runs: list[dict]) -> str:
-    """Markdown: one row per method, mean ± std over its seeds for each column."""
-    methods = list(dict.fromkeys(r["method"] for r in runs))
-    lines = ["| method | seeds | " + " | ".join(label for label, _ in COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
-    for m in methods:
-        mine = [r for r in runs if r["method"] == m]
-        cells = [mean_std([r["final"].get(key) for r in mine]) for _, key in COLUMNS]
-        lines.append(f"| {m} | {len(mine)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def plots(runs: list[dict], directory: Path) -> list[str]:
@@ -244,7 +224,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     save_runs(directory / "runs.json", runs, done)
     total = sum(r["wall_s"] for r in runs)
     header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s of training"
-    (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs)}\n")
+    (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs, COLUMNS)}\n")
     written = [str(directory / "runs.json"), str(directory / "study.md"), *plots(runs, directory)]
     reported = [m for m in REPORTED if m in methods]
     if reported:  # MLE next to AGG through the offline report, rows coloured by the corpus's frequency groups

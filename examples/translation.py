@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from comparison import summary_table
 
 PAD, EOS, BOS = 0, 1, 2  # BOS is the decoder start token (Marian's own decoder start is its pad id)
 SPECIALS = ("<pad>", "</s>", "<s>")
@@ -281,26 +281,6 @@ def corpus_bleu(hypotheses: list[str], references: list[str]) -> float:
 
 
 # --- results ----------------------------------------------------------------------------------
-def mean_std(values: list[float | None]) -> str:
-    """"mean ± std" over seeds (sample std; the mean alone for one seed)."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    if not finite:
-        return "n/a"
-    mean = statistics.fmean(finite)
-    return f"{mean:.4g} ± {statistics.stdev(finite):.2g}" if len(finite) > 1 else f"{mean:.4g}"
-
-
-def summary_table(runs: list[dict]) -> str:
-    """Markdown: one row per method, mean ± std over its seeds for each column."""
-    methods = list(dict.fromkeys(r["method"] for r in runs))
-    lines = ["| method | seeds | " + " | ".join(label for label, _ in COLUMNS) + " |", "|---|---|" + "---|" * len(COLUMNS)]
-    for m in methods:
-        mine = [r for r in runs if r["method"] == m]
-        cells = [mean_std([r["final"].get(key) for r in mine]) for _, key in COLUMNS]
-        lines.append(f"| {m} | {len(mine)} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def settings_of(a: argparse.Namespace) -> dict:
     """What makes two runs of one method and seed the same run (for resuming)."""
     keys = ("steps", "words", "zipf", "data_seed", "train_size", "valid_size", "test_size", "batch_size",
@@ -449,7 +429,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flush=True,
         )
     save_runs(results, runs, kept)
-    table = summary_table(runs)
+    table = summary_table(runs, COLUMNS)
     header = (
         f"Translation (synthetic, {a.words} Zipfian words, {a.train_size} pairs): {', '.join(a.methods)} x seeds "
         f"{','.join(map(str, a.seeds))}, {a.steps} steps, d={a.d_model}, beams {a.beams}"

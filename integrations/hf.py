@@ -105,7 +105,7 @@ class AnisoCallback(TrainerCallback):
         config: AnisoConfig | None = None,
         plugins: Iterable[object] = (),
         *,
-        targets: str | Callable[[Any], torch.Tensor] | None = None,
+        targets: Callable[[Any], torch.Tensor] | str | None = None,
     ) -> None:
         self._plugins = tuple(plugins)
         self.session = TrainingSession(config, self._plugins)

@@ -69,7 +69,7 @@ class AnisoCallback(pl.Callback):
         head: str | None = None,
         input_embedding: str | None = None,
         blocks: str | None = None,
-        targets: str | Callable[[Any], torch.Tensor] | None = None,
+        targets: Callable[[Any], torch.Tensor] | str | None = None,
     ) -> None:
         self.session = TrainingSession(config, plugins)
         self.config = self.session.config

@@ -495,6 +495,8 @@ def test_lightning_cli_yaml_configures_the_callback(tmp_path, monkeypatch):
     }
     callback = _lightning_cli(_trainer(tmp_path, cb), monkeypatch)
     assert callback.config == AnisoConfig(method="cosreg")
+    cb["init_args"]["targets"] = "causal"  # an alignment name instead of a function
+    assert _lightning_cli(_trainer(tmp_path, cb), monkeypatch)._targets == "causal"
 
 
 def test_lightning_cli_bad_config_value_names_the_field(tmp_path, monkeypatch):

@@ -239,7 +239,7 @@ def _t5_config(cls_cfg, **extra):
 
 def t5(seed=0):
     _seeded(seed)
-    return T.T5ForConditionalGeneration(_t5_config(T.T5Config))
+    return T.T5ForConditionalGeneration(_t5_config(T.T5Config))  # always tied in transformers 5
 
 
 def mt5(seed=0):
@@ -260,9 +260,10 @@ def _with_final_logits_bias(m, g):
     return m
 
 
-def bart(seed=0):
+def bart(seed=0, tied=True):
     g = _seeded(seed)
-    cfg = _bart_config(T.BartConfig, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    cfg = _bart_config(T.BartConfig, pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+                       tie_word_embeddings=tied)  # fmt: skip
     return _with_final_logits_bias(T.BartForConditionalGeneration(cfg), g)
 
 
@@ -320,6 +321,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
     Arch("bert_mlm", bert, "masked", tied=True),
     Arch("t5", t5, "seq2seq", tied=True),
     Arch("bart", bart, "seq2seq", tied=True, post=_final_logits_bias, seq2seq_trainer=True),
+    Arch("bart_untied", lambda: bart(tied=False), "seq2seq", tied=False, post=_final_logits_bias),  # a head of its own
     Arch("marian", marian, "seq2seq", tied=True, post=_final_logits_bias),
     Arch("mt5", mt5, "seq2seq", tied=True, seq2seq_trainer=True),  # MT5Config forces tie_word_embeddings=True in transformers 5
     Arch("pegasus", pegasus, "seq2seq", tied=True, post=_final_logits_bias, seq2seq_trainer=True),
