@@ -366,11 +366,13 @@ class TrainingSession:
 
     @contextlib.contextmanager
     def evaluating(self, targets: torch.Tensor | None, head_calls: int = 1) -> Iterator[None]:
-        """While inside, the head's outputs are evaluation logits for `targets` (aligned with
-        them; the i-th of `head_calls` head calls gets the i-th equal chunk of the last
-        dimension) and go to the plugins' `aniso_eval_batch`. A head output whose leading
-        shape is not its chunk's (a generation step, (B, 1, V)) is not fed and leaves the
-        chunk for the next call. None targets: nothing is fed."""
+        """While inside, the logits the model's loss reads (`ModelHandle.register_logits_hook`:
+        the head's outputs, or a transformers model's output logits after any logit bias or
+        soft-cap) are evaluation logits for `targets` (aligned with them; the i-th of
+        `head_calls` head calls gets the i-th equal chunk of the last dimension) and go to the
+        plugins' `aniso_eval_batch`. Logits whose leading shape is not their chunk's (a
+        generation step, (B, 1, V)) are not fed and leave the chunk for the next call. None
+        targets: nothing is fed."""
         if targets is None or not self.wants_eval_batches:
             yield
             return

@@ -188,8 +188,8 @@ class AnisoCallback(TrainerCallback):
         exactly as before (`keep_head=True` keeps a replaced or untied head, whose trained
         Parameters are the run's result), the Trainer its own ``training_step``,
         ``prediction_step``, ``train`` and ``model_init``, and the callback leaves its
-        callback list. A new
-        ``AnisoCallback`` can then attach to the same model (e.g. a notebook cell run again)."""
+        callback list. A new ``AnisoCallback`` can then attach to the same model (e.g. a
+        notebook cell run again)."""
         self.session.detach(keep_head=keep_head)
         trainer, self.trainer = self.trainer, None
         if trainer is None:
