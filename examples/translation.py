@@ -33,9 +33,10 @@ the rare-frequent cosine. The table (mean ± std over seeds) is printed and writ
 the same command on the same ``--output-dir`` again skips the runs already there (``--fresh``
 starts over).
 
-Cost on 2 CPU cores: about 0.25 s per step of 64 pairs, so about 9 minutes per run at the
-default 2000 steps (an hour for MLE and AGG x 3 seeds); ``--quick`` takes about 15 s for both
-methods. Validation perplexity and Uniq are teacher-forced (`trainer.evaluate()`); only the
+Cost on 2 idle CPU cores: 185-204 s per run at the default 2000 steps of 64 pairs, test
+translations included (20 minutes for MLE and AGG x 3 seeds; several times that when the cores
+are shared); ``--quick`` takes about 15 s for both methods. docs/results.md §5 has the 3-seed
+table. Validation perplexity and Uniq are teacher-forced (`trainer.evaluate()`); only the
 test translations are generated.
 """
 
