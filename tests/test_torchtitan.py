@@ -231,7 +231,9 @@ class Launcher:
     def __init__(self, root: str, assets: dict[str, str], parallel: int = 3) -> None:
         self.root, self.assets, self.parallel = root, assets, parallel
 
-    def command(self, name: str, config: str, args: list[str], world: int, local: int) -> tuple[list[str], dict, str]:
+    def command(
+        self, name: str, config: str, args: list[str], world: int, local: int, data: str | None = None
+    ) -> tuple[list[str], dict, str]:
         folder = os.path.join(self.root, name)
         os.makedirs(folder, exist_ok=True)
         env = dict(
@@ -249,7 +251,7 @@ class Launcher:
                     "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", LAUNCHER]
         cmd = head + [
             "--module", "torchtitan_launcher", "--config", config,
-            "--hf_assets_path", self.assets["tokenizer"], "--dataloader.dataset_path", self.assets[f"data_w{world}"],
+            "--hf_assets_path", self.assets["tokenizer"], "--dataloader.dataset_path", self.assets[data or f"data_w{world}"],
             "--dump_folder", folder, "--training.local_batch_size", str(local),
             "--checkpoint.enable", *args,
         ]  # fmt: skip
@@ -283,7 +285,7 @@ class Launcher:
                     job["prepare"](done)
                 world = job.get("world", 1)
                 local = job.get("local", LOCAL if world == 1 else WORLD2_LOCAL)
-                cmd, env, folder = self.command(job["name"], job["config"], job["args"], world, local)
+                cmd, env, folder = self.command(job["name"], job["config"], job["args"], world, local, job.get("data"))
                 log = os.path.join(folder, "out.log")
                 with open(log, "w") as f:
                     proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -330,6 +332,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         # SimCTG on the whole micro-batch before torchtitan's 8 chunks: 2 micro-batches, or 2 ranks
         dict(name="simctg", config="cpu_aniso", args=seed + simctg + ["--training.global_batch_size", "4"], local=2, after=["seed"]),
         dict(name="simctg_w2", config="cpu_aniso", args=seed + simctg, world=2, after=["seed"]),
+        # documents shorter than a sample: packed rows, positions restarting per document
+        dict(name="simctg_packed", config="cpu_aniso", args=simctg, data="data_packed"),
         # every metric plugin with 2 micro-batches per step
         dict(name="metrics_ga", config="cpu_aniso", local=2, args=[
             "--aniso.metrics", "geometry", "frequency", "hidden", "bottleneck", "--aniso.metrics_every", "1",
@@ -467,15 +471,19 @@ def test_cosreg_gradient_is_added_once_per_step_with_torchtitans_sum_over_ranks(
     assert set(runs["cos"]["tb"]["aniso/loss/cosreg"]) == {1, 2}
 
 
-def _simctg_reference(hidden: torch.Tensor, labels: torch.Tensor, margin: float = 0.5) -> float:
+def _simctg_reference(hidden: torch.Tensor, labels: torch.Tensor, margin: float = 0.5, positions=None) -> float:
     """SimCTG (Su et al. 2022) by explicit loops in float64: Σ over sequences and ordered pairs
-    i ≠ j of valid positions of max(0, ρ − 1 + cos(h_i, h_j)), over the number of pairs."""
+    i ≠ j of valid positions of max(0, ρ − 1 + cos(h_i, h_j)), over the number of pairs; with
+    `positions`, a sequence is one document of a row (a document starts where positions restart)."""
     total, pairs = 0.0, 0
-    for h, y in zip(hidden.double(), labels):
+    for b, (h, y) in enumerate(zip(hidden.double(), labels)):
+        doc = [0] * len(y)
+        for t in range(1, len(y)):
+            doc[t] = doc[t - 1] + (positions is not None and int(positions[b, t]) != int(positions[b, t - 1]) + 1)
         idx = [t for t in range(len(y)) if y[t] != -100]
         for i in idx:
             for j in idx:
-                if i != j:
+                if i != j and doc[i] == doc[j]:
                     total += max(0.0, margin - 1.0 + float(torch.nn.functional.cosine_similarity(h[i], h[j], dim=0)))
                     pairs += 1
     return total / pairs
@@ -496,6 +504,19 @@ def test_simctg_terms_cover_whole_micro_batches_and_sum_over_ranks(runs):
     for name, grad in one["grads"].items():
         torch.testing.assert_close(two["grads"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert any((one["grads"][n] - g).abs().max() > 1e-6 for n, g in runs["none"]["grads"].items() if n in one["grads"])
+
+
+@pytest.mark.slow
+def test_simctg_pairs_stay_inside_each_document_of_a_packed_row(runs):
+    """torchtitan packs several documents into a row and masks attention per document: SimCTG's
+    pairs are those of each document (whole-row pairs would be another, larger loss)."""
+    run = runs["simctg_packed"]
+    (labels,), (positions,) = run["labels"], run["positions"]
+    hidden = torch.cat(run["head_inputs"], dim=1)  # the 8 chunks of the one micro-batch
+    assert (positions == 0).sum(-1).min() >= 2  # every row holds two documents or more
+    expected = _simctg_reference(hidden, labels, positions=positions)
+    assert run["tb"]["aniso/loss/simctg"][1] == pytest.approx(2.0 * expected, rel=1e-4)
+    assert abs(_simctg_reference(hidden, labels) - expected) > 0.05 * expected
 
 
 # --- override path, checkpoints ----------------------------------------------------------------------

@@ -6,7 +6,8 @@ torchtitan reads (``hf_assets_path`` with ``tokenizer.json`` / ``tokenizer_confi
 JSON-lines ``data.json`` for ``--dataloader.dataset_path`` with ``dataset="c4_test"``).
 
 Every document is exactly ``seq_len + 1`` tokens (BOS, ``seq_len - 1`` words, EOS), so each
-one becomes exactly one training sample. ``world`` reorders the documents so that a run on
+one becomes exactly one training sample; the ``data_packed`` file holds shorter documents, which
+torchtitan packs several to a sample with positions restarting at each (document masking). ``world`` reorders the documents so that a run on
 `world` data-parallel ranks (``split_dataset_by_node`` gives rank r the r-th contiguous
 shard) sees, at every step, the same global batch as a 1-rank run of the ``world=1`` file with
 a `world` times larger local batch: their gradients are equal up to summation order.
@@ -35,6 +36,13 @@ def documents(n_docs: int, seq_len: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     ids = rng.choice(N_WORDS, size=(n_docs, seq_len - 1), p=word_probabilities())
     return [" ".join(f"w{i}" for i in row) for row in ids]
+
+
+def short_documents(n_docs: int, seq_len: int, seed: int = 1) -> list[str]:
+    """`n_docs` texts of seq_len / 8 to seq_len / 2 Zipf-sampled words each (several per sample)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(seq_len // 8, seq_len // 2, size=n_docs, endpoint=True)
+    return [" ".join(f"w{i}" for i in rng.choice(N_WORDS, size=n, p=word_probabilities())) for n in lengths]
 
 
 def rank_order(n_docs: int, world: int, local_batch: int) -> list[int]:
@@ -87,4 +95,8 @@ def write_assets(
     for world in worlds:
         paths[f"data_w{world}"] = os.path.join(root, f"data_w{world}")
         write_dataset(paths[f"data_w{world}"], n_docs, seq_len, world, local_batch)
+    paths["data_packed"] = os.path.join(root, "data_packed")
+    os.makedirs(paths["data_packed"], exist_ok=True)
+    with open(os.path.join(paths["data_packed"], "data.json"), "w") as f:
+        f.writelines(json.dumps({"text": doc}) + "\n" for doc in short_documents(4 * n_docs, seq_len))
     return paths

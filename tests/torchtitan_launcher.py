@@ -177,12 +177,14 @@ def _install_recorder(path: str) -> None:
     import torch.distributed as dist
     from torchtitan.trainer import Trainer
 
-    record: dict = {"labels": [], "head_inputs": []}
+    record: dict = {"labels": [], "head_inputs": [], "positions": []}
     train, forward_backward_step = Trainer.train, Trainer.forward_backward_step
 
     def recording_forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.step == 1:
             record["labels"].append(labels.detach().cpu().clone())
+            if "positions" in input_dict:
+                record["positions"].append(input_dict["positions"].detach().cpu().clone())
         return forward_backward_step(
             self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
