@@ -7,16 +7,32 @@ statistics, state files, and the methods and metrics. Trainer adapters live in
 
 __version__ = "0.1.0"
 
-from .agg import AGGGates, agg_gates, agg_linear
-from .agg_head import AGGForward
-from .bottleneck import bottleneck_finish, bottleneck_stats, gradient_bottleneck, logit_gradient_rank
-from .config import AnisoConfig, ConfigError
-from .counter import SlidingTokenCounter
-from .distributed import LocalRows, full_rows, local_rows
-from .errors import AnisoError
-from .frequency import CumulativeTargetCounts, frequency_groups
-from .fused_ce import agg_cross_entropy
-from .geometry import (
+from aniso_plugins.core.config import AnisoConfig, ConfigError
+from aniso_plugins.core.errors import AnisoError
+from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.loss import attach_loss
+from aniso_plugins.core.model import ModelHandle, OutputEmbeddingsHandle, SetupError, detach, find_handle
+from aniso_plugins.core.plugins import AnisoPlugins
+from aniso_plugins.core.session import TrainingSession
+from aniso_plugins.core.state import StateError, load_state, save_state
+from aniso_plugins.core.steps import RunInfo, StepInfo
+from aniso_plugins.core.targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
+from aniso_plugins.methods.agg.counter import SlidingTokenCounter
+from aniso_plugins.methods.agg.fused_ce import agg_cross_entropy
+from aniso_plugins.methods.agg.gates import AGGGates, agg_gates, agg_linear
+from aniso_plugins.methods.agg.head import AGGForward
+from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
+from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
+from aniso_plugins.methods.simcse.contrastive import SimCSECollator
+from aniso_plugins.metrics.bottleneck.probe import (
+    bottleneck_finish,
+    bottleneck_stats,
+    gradient_bottleneck,
+    logit_gradient_rank,
+)
+from aniso_plugins.metrics.frequency.groups import CumulativeTargetCounts, frequency_groups
+from aniso_plugins.metrics.geometry.isoscore import isoscore
+from aniso_plugins.metrics.geometry.stats import (
     Spectrum,
     effective_rank,
     isotropy,
@@ -27,13 +43,9 @@ from .geometry import (
     spectrum,
     w_error,
 )
-from .lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
-from .hookspecs import hookimpl
-from .isoscore import isoscore
-from .loss import attach_loss
-from .model import ModelHandle, OutputEmbeddingsHandle, SetupError, detach, find_handle
-from .plugins import AnisoPlugins
-from .postprocess import (
+from aniso_plugins.numerics.distributed import LocalRows, full_rows, local_rows
+from aniso_plugins.numerics.reduce import Stat, reduce_stats
+from aniso_plugins.offline.postprocess import (
     AllButTheTop,
     Centering,
     Rotation,
@@ -43,13 +55,6 @@ from .postprocess import (
     load_transform,
     outlier_stats,
 )
-from .reduce import Stat, reduce_stats
-from .regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
-from .state import StateError, load_state, save_state
-from .session import TrainingSession
-from .simcse import SimCSECollator
-from .steps import RunInfo, StepInfo
-from .targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
 
 __all__ = [
     "AGGForward",

@@ -31,20 +31,20 @@ import torch.nn.functional as F
 from measure import add_device_args, device_of, precision
 from timing import best_times, print_ratio_table
 
-from aniso_plugins.bottleneck import (
+from aniso_plugins.metrics.bottleneck.probe import (
     hidden_logit_direction,
     sample_loss_positions,
     update_efficiency,
 )
-from aniso_plugins.ethayarajh import (
+from aniso_plugins.metrics.ethayarajh.stats import (
     choose_words,
     layer_stats,
     token_positions,
     word_counts,
 )
-from aniso_plugins.simcse import info_nce, pool
-from aniso_plugins.simctg import simctg_pair_sums
-from aniso_plugins.uniformity import row_uniformity
+from aniso_plugins.methods.simcse.contrastive import info_nce, pool
+from aniso_plugins.methods.simctg.loss import simctg_pair_sums
+from aniso_plugins.methods.uniformity.kernels import row_uniformity
 
 
 def _backward(loss_of: Callable[[], torch.Tensor], args, *leaves: torch.Tensor) -> Callable[[], None]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from measure import add_device_args, device_of, precision
 from timing import timed
 
-from aniso_plugins.regularizers import cosine_hinge, cosreg, spectrum_penalty
+from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty
 
 
 def _min(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:

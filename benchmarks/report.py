@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from aniso_plugins.geometry import Spectrum, moment_stats, moments
-from aniso_plugins.report import MatrixSource, _gram_f32, matrix_geometry
+from aniso_plugins.metrics.geometry.stats import Spectrum, moment_stats, moments
+from aniso_plugins.offline.report import MatrixSource, _gram_f32, matrix_geometry
 
 
 def synthetic(v: int, d: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:
@@ -80,7 +80,7 @@ def main() -> None:
         save_file({"model.embed_tokens.weight": w}, str(path))
         del w
         made = time.perf_counter() - t0
-        cmd = [sys.executable, "-m", "aniso_plugins.cli", "report", str(path), "--out", str(Path(tmp) / "out"),
+        cmd = [sys.executable, "-m", "aniso_plugins.offline.cli", "report", str(path), "--out", str(Path(tmp) / "out"),
                "--quiet", "--json"]
         t0 = time.perf_counter()
         r = subprocess.run(cmd, check=False, capture_output=True, text=True)

@@ -36,7 +36,7 @@ def tokenize(text: str, vocab_size: int) -> tuple[torch.Tensor, list[str]]:
 
 
 class WordTokenizer:
-    """The vocabulary as a tokenizer for the offline report (`aniso_plugins.report.analyze`'s
+    """The vocabulary as a tokenizer for the offline report (`aniso_plugins.offline.report.analyze`'s
     ``tokenizer=``): ``tokenizer(text, add_special_tokens=False)["input_ids"]``, unknown words -> 0."""
 
     def __init__(self, vocab: list[str]):

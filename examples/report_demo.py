@@ -26,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, T
 
 from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
-from aniso_plugins.report import analyze
+from aniso_plugins.offline.report import analyze
 
 
 def word_tokenizer(vocab: list[str]) -> PreTrainedTokenizerFast:

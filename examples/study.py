@@ -14,7 +14,7 @@ run), ``study.md`` (mean ± std over seeds per method), and the plots ``trajecto
 (I(W) and mean cosine against the step, every method), ``rare_isotropy.png`` (the rare group's
 I(W) over training, AGG paper Figure 2's quantity), ``groups.png`` (each frequency group's
 I(W) and the rare-frequent cosine over training for MLE, Freeze and AGG), ``tradeoff.png`` (perplexity against I(W))
-and, through the report module (`aniso_plugins.report`, the corpus as its text), ``report/`` with
+and, through the report module (`aniso_plugins.offline.report`, the corpus as its text), ``report/`` with
 ``spectrum.png``, ``projection.png`` (rows coloured by frequency group), ``cosines.png``,
 ``layers.png`` and ``norm_frequency.png`` of the final MLE and AGG models (seed 0, saved in
 ``models/``). ``runs.json`` is written after every run; running the same command again resumes
@@ -238,7 +238,7 @@ def report_plots(paths: list[Path], names: list[str], a: argparse.Namespace, dir
     the saved heads, with the whole corpus as the text (its counts give the frequency groups)."""
     from corpus import WordTokenizer, load_text, tokenize
 
-    from aniso_plugins.report import analyze
+    from aniso_plugins.offline.report import analyze
 
     text = load_text(a.text_file)
     ids, vocab = tokenize(text, a.vocab_size)

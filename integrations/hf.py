@@ -21,7 +21,7 @@ What the callback does with the Trainer (transformers 5.x; docs/design.md walks 
   the generation steps are not evaluation logits); (3) wraps ``train`` to learn which
   checkpoint a run resumes from, and ``model_init`` (hyperparameter search) to set up on every
   model the Trainer builds.
-- Targets: as the model's own loss aligns them (`aniso_plugins.targets.alignment_of`: causal
+- Targets: as the model's own loss aligns them (`aniso_plugins.core.targets.alignment_of`: causal
   LMs shifted, masked LMs and encoder-decoders' decoder labels as they are, ``shift_labels``
   when the collator gives them), or the callback's ``targets=``; packed batches
   (``DataCollatorWithFlattening``) are split into their examples by ``position_ids``
@@ -51,13 +51,13 @@ import torch
 from torch import nn
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
-from aniso_plugins.model import peft_base_model
-from aniso_plugins.targets import TargetRule, micro_batch_targets, target_rule
+from aniso_plugins.core.model import peft_base_model
+from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
 
 try:
     from transformers import PreTrainedModel, Trainer, TrainerCallback
-    from transformers.trainer_callback import DefaultFlowCallback
     from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_callback import DefaultFlowCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, get_last_checkpoint
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('aniso_plugins.integrations.hf needs transformers: pip install "aniso-plugins[hf]"') from e
@@ -96,7 +96,7 @@ class AnisoCallback(TrainerCallback):
     plugins: extra plugin objects (third-party plugins also load from entry points).
     targets: how a batch's targets align with the LM head's outputs: None (as the model's own
         loss aligns its ``labels``), "causal", "aligned", "seq2seq"
-        (`aniso_plugins.targets.ALIGNMENTS`), or a function of the batch returning the ids
+        (`aniso_plugins.core.targets.ALIGNMENTS`), or a function of the batch returning the ids
         aligned with the head's output positions (``config.ignore_index`` where none).
     """
 

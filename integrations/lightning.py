@@ -12,7 +12,7 @@ Finding the model's parts (the two knobs):
   ``AnisoCallback(config, head="model.lm_head", input_embedding="model.embed",
   blocks="model.blocks")`` (submodule paths of the LightningModule);
 - the targets: by default as the found HF model's own loss aligns ``batch["labels"]``
-  (`aniso_plugins.targets.alignment_of`: shifted for a causal LM, or ``batch["shift_labels"]``;
+  (`aniso_plugins.core.targets.alignment_of`: shifted for a causal LM, or ``batch["shift_labels"]``;
   as they are for a masked LM and for an encoder-decoder's decoder); a head named by path
   needs ``targets="causal"`` / ``"aligned"`` / ``"seq2seq"``, or ``targets=lambda batch: ...``
   returning ids aligned with the head's output positions (``config.ignore_index`` where no
@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession, find_handle
-from aniso_plugins.targets import TargetRule, target_rule
+from aniso_plugins.core.targets import TargetRule, target_rule
 
 try:
     import lightning.pytorch as pl

@@ -37,7 +37,7 @@ def pause(output: str) -> None:
 def install_pause(point: str, step: int, output: str, trainer: Trainer) -> None:
     at_step = lambda: trainer.state.global_step == step  # noqa: E731
     if point == "state-tmp":
-        import aniso_plugins.state as state
+        import aniso_plugins.core.state as state
 
         save_file = state.save_file
 

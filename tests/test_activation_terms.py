@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession
-from aniso_plugins.hookspecs import hookimpl
+from aniso_plugins.core.hookspecs import hookimpl
 from dist_utils import run_distributed
 
 V, D = 11, 4

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from aniso_plugins import bottleneck_finish, bottleneck_stats, gradient_bottleneck, logit_gradient_rank
-from aniso_plugins.bottleneck import squared_row_norms
+from aniso_plugins.metrics.bottleneck.probe import squared_row_norms
 
 IGNORE = -100
 

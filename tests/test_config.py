@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 import aniso_plugins
-from aniso_plugins import AnisoConfig, AnisoError, ConfigError, ModelHandle, SetupError, StateError, registry
-from aniso_plugins.config import HEADS, METHODS, METRICS
-from aniso_plugins.default_plugins import aniso_make_plugins
-from aniso_plugins.state import load_state, save_state
+from aniso_plugins import AnisoConfig, AnisoError, ConfigError, ModelHandle, SetupError, StateError
+from aniso_plugins.core import registry
+from aniso_plugins.core.config import HEADS, METHODS, METRICS
+from aniso_plugins.core.builtins import aniso_make_plugins
+from aniso_plugins.core.state import load_state, save_state
 
 # A configuration where every field differs from its default (parsers must carry each one).
 NON_DEFAULT = dict(
@@ -84,7 +85,7 @@ def test_error_hierarchy_keeps_the_builtin_bases_and_one_class_per_error():
     assert issubclass(SetupError, AnisoError) and issubclass(SetupError, RuntimeError)
     assert issubclass(StateError, AnisoError) and issubclass(StateError, RuntimeError)
     assert issubclass(AnisoError, Exception) and not issubclass(AnisoError, (ValueError, RuntimeError))
-    from aniso_plugins import config, errors, model, state
+    from aniso_plugins.core import config, errors, model, state
 
     assert config.ConfigError is errors.ConfigError is aniso_plugins.ConfigError
     assert model.SetupError is errors.SetupError is aniso_plugins.SetupError
@@ -289,7 +290,7 @@ def test_unknown_names_raise_config_error_listing_the_known_ones():
     with pytest.raises(ConfigError, match="method='agk'.*cosreg"):
         registry.plugin_class("method", "agk")
     with pytest.raises(ValueError, match="import string"):
-        registry.resolve("aniso_plugins.default_plugins.geometry.GeometryPlugin")
+        registry.resolve("aniso_plugins.metrics.geometry.plugin.GeometryPlugin")
 
 
 def test_make_plugins_builds_head_method_counter_and_metrics_in_config_order():

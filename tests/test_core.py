@@ -273,7 +273,7 @@ def test_state_round_trip_and_refusals(tmp_path):
     save_file({"x": torch.zeros(1)}, tmp_path / "foreign.safetensors", metadata={"format": "pt"})
     with pytest.raises(StateError, match="not an aniso_plugins state file"):
         AnisoPlugins(cfg, plugins=[Counter()]).load(tmp_path / "foreign.safetensors")
-    save_file({"x": torch.zeros(1)}, tmp_path / "v9.safetensors", metadata={"format": "aniso_plugins.state", "version": "9"})
+    save_file({"x": torch.zeros(1)}, tmp_path / "v9.safetensors", metadata={"format": "aniso_plugins.core.state", "version": "9"})
     with pytest.raises(StateError, match="format version 9"):
         AnisoPlugins(cfg, plugins=[Counter()]).load(tmp_path / "v9.safetensors")
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from aniso_plugins import Stat, local_rows, reduce_stats
-from aniso_plugins.linalg import all_reduce_sum_shared, gram_stats
+from aniso_plugins.numerics.linalg import all_reduce_sum_shared, gram_stats
 from dist_utils import run_distributed
 
 V, D = 101, 6  # 101 rows: shards of 51 and 50

@@ -1,5 +1,5 @@
 """Ethayarajh 2019 contextuality metrics (self-similarity, intra-sentence similarity, anisotropy
-baseline; `aniso_plugins.ethayarajh` and the "ethayarajh" metric plugin) against float64
+baseline; `aniso_plugins.metrics.ethayarajh.stats` and the "ethayarajh" metric plugin) against float64
 references written here with explicit loops over occurrences, pairs and sentences: on small
 tensors (repeated tokens across sentences, padding, zero vectors, a binding word cap), driven
 through `AnisoPlugins` (causal fallback for the token ids, gradient accumulation), through a
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, SetupError, StepInfo
-from aniso_plugins.ethayarajh import (
+from aniso_plugins.metrics.ethayarajh.stats import (
     choose_words,
     layer_finish,
     layer_stats,
@@ -195,7 +195,7 @@ def test_layer_metrics_equal_pairwise_reference(cap):
 
 
 def test_baseline_pair_share_and_word_choice():
-    from aniso_plugins.ethayarajh import baseline_pair_share
+    from aniso_plugins.metrics.ethayarajh.stats import baseline_pair_share
 
     _, ids, counted = _small_case()
     occ = ref_occurrences(ids, counted)

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import torch
 
-from aniso_plugins.geometry import BLOCK_ROWS, nonfinite_count
+from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS, nonfinite_count
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from measure import PeakMemory

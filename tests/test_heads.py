@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, SetupError, StepInfo
-from aniso_plugins.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
-from aniso_plugins.model import OutputEmbeddingsHandle
+from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
+from aniso_plugins.core.model import OutputEmbeddingsHandle
 
 V, D = 40, 8
 

@@ -1,4 +1,4 @@
-"""Post-processing transforms (aniso_plugins.postprocess, docs/methods.md §5.1), each checked
+"""Post-processing transforms (aniso_plugins.offline.postprocess, docs/methods.md §5.1), each checked
 against an explicit numpy / float64 formula written out here: whitening (covariance I, ZCA =
 U s^-1/2 Uᵀ), all-but-the-top (both projections, orthogonal to the removed directions),
 centering, rotations, the outlier metric; streaming == whole-tensor fits, numpy in/out, the
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from aniso_plugins import ConfigError, StateError, isotropy
-from aniso_plugins.postprocess import (
+from aniso_plugins.offline.postprocess import (
     AllButTheTop,
     Centering,
     Rotation,
@@ -344,7 +344,7 @@ def test_load_refuses_corrupt_foreign_and_other_kinds(tmp_path):
         Transform.load(weights)
     state = tmp_path / "state.safetensors"
     save_state(state, {"agg": {"x": torch.zeros(1)}}, {})
-    with pytest.raises(StateError, match="format='aniso_plugins.state'"):
+    with pytest.raises(StateError, match="format='aniso_plugins.core.state'"):
         Transform.load(state)
     tampered = tmp_path / "tampered.safetensors"
     save_file({"mean": torch.zeros(5, dtype=torch.float64)}, tampered, metadata={

@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, SetupError, StepInfo
-from aniso_plugins.lowrank import LowRankHead
-from aniso_plugins.regularizers import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
+from aniso_plugins.methods.heads.lowrank import LowRankHead
+from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
 
 V, D = 37, 6
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from aniso_plugins import attach_loss, local_rows
-from aniso_plugins.regularizers import cosine_hinge, cosreg, spectrum_penalty
+from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty
 from dist_utils import run_distributed
 from test_regularizers import _sampled_rows, ref_cosreg, ref_hinge
 

@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 
-from aniso_plugins import report as report_mod  # noqa: E402
+from aniso_plugins.offline import report as report_mod  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MAX_TOKENS = 3000
@@ -73,7 +73,7 @@ def zoo(tmp_path_factory):
 
 def run_cli(*args, cwd=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "aniso_plugins.cli", "report", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "report", *map(str, args)],
                           capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
@@ -265,7 +265,7 @@ def test_cli_bad_inputs_are_one_line_errors(zoo, tmp_path, capsys):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     sub = [cases[0], cases[2], cases[5]]
     exe = shutil.which("aniso")  # the console script, when installed
-    commands = [[exe] if exe and i == 0 else [sys.executable, "-m", "aniso_plugins.cli"] for i in range(len(sub))]
+    commands = [[exe] if exe and i == 0 else [sys.executable, "-m", "aniso_plugins.offline.cli"] for i in range(len(sub))]
     procs = [
         subprocess.Popen([*command, "report", *map(str, args), "--out", str(tmp_path / "o"), "--quiet"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -276,7 +276,7 @@ def test_cli_bad_inputs_are_one_line_errors(zoo, tmp_path, capsys):
         _, stderr = p.communicate(timeout=300)
         results.append((args, message, p.returncode, stderr))
     # ... the others through the same entry point in this process
-    from aniso_plugins import cli
+    from aniso_plugins.offline import cli
 
     for args, message in cases:
         if (args, message) in sub:

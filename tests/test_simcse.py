@@ -32,7 +32,7 @@ from transformers import (
 
 from aniso_plugins import AnisoConfig, ConfigError, SimCSECollator, TrainingSession
 from aniso_plugins.integrations.hf import AnisoCallback, hf_handle
-from aniso_plugins.simcse import info_nce, pool
+from aniso_plugins.methods.simcse.contrastive import info_nce, pool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 V = 100

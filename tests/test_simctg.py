@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, StepInfo, TrainingSession, causal_targets
-from aniso_plugins.simctg import simctg_loss, simctg_pair_count, simctg_pair_sums
+from aniso_plugins.methods.simctg.loss import simctg_loss, simctg_pair_count, simctg_pair_sums
 from dist_utils import run_distributed
 from test_regularizers import _LargestTensor
 from token_data import TokenDataset

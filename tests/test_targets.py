@@ -1,4 +1,4 @@
-"""The one label-alignment rule (aniso_plugins.targets): which token each LM-head output position
+"""The one label-alignment rule (aniso_plugins.core.targets): which token each LM-head output position
 predicts, derived from what the model's own loss does, and the example boundaries of packed
 batches. References are written out here (explicit index arithmetic), not taken from the code."""
 
@@ -10,7 +10,7 @@ import transformers
 from torch import nn
 
 from aniso_plugins import LabelAlignment, SetupError, alignment_of, sequence_ids
-from aniso_plugins.targets import target_rule
+from aniso_plugins.core.targets import target_rule
 
 
 def _meta(config_cls, model_cls, **kw) -> nn.Module:

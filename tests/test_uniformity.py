@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ConfigError, ModelHandle, SetupError, StepInfo, TrainingSession
-from aniso_plugins.uniformity import pair_logsumexp, row_uniformity, uniformity_finish, uniformity_stats
+from aniso_plugins.methods.uniformity.kernels import pair_logsumexp, row_uniformity, uniformity_finish, uniformity_stats
 from dist_utils import run_distributed
 from test_regularizers import _LargestTensor, _sampled_rows
 

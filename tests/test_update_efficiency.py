@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, StepInfo, full_rows
-from aniso_plugins.bottleneck import (
+from aniso_plugins.metrics.bottleneck.probe import (
     eps_key,
     hidden_logit_direction,
     sample_loss_positions,
@@ -29,7 +29,7 @@ from aniso_plugins.bottleneck import (
     update_efficiency_loss_stats,
     update_efficiency_stats,
 )
-from aniso_plugins.lowrank import LowRankHead
+from aniso_plugins.methods.heads.lowrank import LowRankHead
 from dist_utils import run_distributed
 from test_bottleneck import ref_bottleneck
 
@@ -274,7 +274,7 @@ def test_hf_trainer_probe_equals_autograd_reference(tmp_path, variant):
         targets = torch.cat([labels[forward][:, 1:], torch.full_like(labels[forward][:, :1], IGNORE)], dim=1)
         rows = None
         if variant == "sampled":  # the positions the probe drew (its seed: step, rank 0)
-            from aniso_plugins.default_plugins.bottleneck import SEED_STRIDE
+            from aniso_plugins.metrics.bottleneck.plugin import SEED_STRIDE
 
             gen = torch.Generator().manual_seed(SEED_STRIDE * row["step"])
             rows = sample_loss_positions(targets, k, gen)

@@ -1,0 +1,1 @@
+"""The core: configuration, hook contract, plugin manager, session, model handle, targets, state."""

@@ -1,0 +1,404 @@
+"""How plugins reach the parts of a model they act on: the LM head, the input embedding, the
+transformer blocks. Adapters build a `ModelHandle` for their trainer's model; plugins never
+guess attribute names themselves.
+
+The handle is also the journal of what set-up did to the model: `set_head`, `untie` and every
+change a plugin registers with `on_restore` (a forward installed in place, a hook) are undone,
+newest first, by `restore`. The session calls it when a set-up fails half-way (nothing stays
+half-applied) and on `detach` (the model is again exactly what it was: same modules, same
+Parameters, same tying, same forwards)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from aniso_plugins.core.errors import SetupError
+
+
+def _get(root: nn.Module, path: str) -> nn.Module:
+    try:
+        return root.get_submodule(path)
+    except AttributeError as e:
+        raise SetupError(f"{type(root).__name__} has no submodule {path!r}: {e}") from None
+
+
+def _set(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent) if parent else root, name, module)
+
+
+_MISSING = object()
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, list[ModelHandle]] = weakref.WeakKeyDictionary()
+"""Per model, the handles whose journal holds changes to it (what `detach` undoes)."""
+
+
+class ModelHandle:
+    """Access to a causal LM's head, input embedding and blocks by submodule path.
+
+    ``framework_wraps_head_forward``: the trainer sets an instance ``forward`` on the head
+    around its class forward that changes no value (torchtitan's), so a forward installed in
+    place over it is not replacing user code.
+
+    head: path of the output projection (an ``nn.Linear``-like module with ``weight`` of
+        shape (V, d)); input_embedding: path of the token embedding or None; blocks: path of
+        the ``nn.ModuleList`` of transformer blocks or None. Subclasses (the HF adapter's)
+        override the accessors; `untie` calls `on_untie` so the framework does not re-tie."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        head: str = "lm_head",
+        input_embedding: str | None = None,
+        blocks: str | None = None,
+        on_untie: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self._head = head
+        self._embedding = input_embedding
+        self._blocks = blocks
+        self._on_untie = on_untie
+        self._undo: list[tuple[Callable[[], None], bool]] = []  # (undo, is head surgery)
+        head_module = self.head()
+        weight = getattr(head_module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise SetupError(
+                f"the LM head {type(head_module).__name__} at {head!r} has no 2-D `weight`; "
+                "expected an nn.Linear-like output projection of shape (vocab, hidden)"
+            )
+        embedding = getattr(self.input_embedding(), "weight", None)
+        if isinstance(embedding, torch.Tensor) and embedding.dim() == 2 and weight.shape != embedding.shape:
+            if tuple(weight.shape) == tuple(embedding.shape)[::-1]:
+                raise SetupError(
+                    f"the LM head {type(head_module).__name__} stores its weight as {tuple(weight.shape)}, the transpose "
+                    f"of the input embedding's {tuple(embedding.shape)} (vocab, hidden): aniso_plugins reads the head's "
+                    "rows as token vectors, so the weight must be (vocab, hidden) as in nn.Linear(hidden, vocab)"
+                )
+
+    framework_wraps_head_forward: bool = False
+
+    def head(self) -> nn.Module:
+        """The output projection module (owns ``weight``, shape (V, d))."""
+        return _get(self.model, self._head)
+
+    def head_weight(self) -> torch.Tensor:
+        """The (V, d) matrix the head multiplies by, for metrics: ``head().weight`` (a LoRA-adapted
+        head's W + ΔW in `OutputEmbeddingsHandle`)."""
+        return self.head().weight
+
+    def register_logits_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        """Call ``hook(logits)`` after every forward with the logits the model's loss reads: the
+        head's output here (`OutputEmbeddingsHandle`: the model output's ``logits``, after any
+        logit bias or soft-cap the model applies to the head's output); removed by `restore`."""
+
+        def on_output(module: nn.Module, args, output) -> None:
+            if isinstance(output, torch.Tensor):
+                hook(output)
+
+        self.on_restore(self.head().register_forward_hook(on_output).remove)
+
+    def require_trainable_head(self, who: str) -> None:
+        """Raise `SetupError` unless the head's own weight is trained: `who` (a method that changes
+        the head's gradient) would otherwise silently do nothing."""
+        weight = self.head().weight
+        if not weight.requires_grad:
+            raise SetupError(
+                f"{who} changes the gradient of the LM head's weight, but it is frozen (requires_grad=False): "
+                "train the head (with PEFT: LoraConfig(modules_to_save=[<the head's name>])) or drop the method"
+            )
+
+    def set_head(self, module: nn.Module) -> None:
+        """Replace the output projection (before the model is wrapped by DDP/FSDP); undone by
+        `restore`."""
+        previous = self.head()
+        self._replace_head(module)
+        self.on_restore(lambda: self._replace_head(previous), surgery=True)
+
+    def _replace_head(self, module: nn.Module) -> None:
+        _set(self.model, self._head, module)
+
+    # --- the journal ------------------------------------------------------------------------
+    def on_restore(self, undo: Callable[[], None], *, surgery: bool = False) -> None:
+        """Record how to undo a change made to the model: instrumentation (a hook handle's
+        ``remove``, a forward installed in place) or, with `surgery`, a change of the model's
+        own parameters or structure (a replaced or untied head)."""
+        if not self._undo:
+            _HANDLES.setdefault(self.model, []).append(self)
+        self._undo.append((undo, surgery))
+
+    @property
+    def modified(self) -> bool:
+        """Whether set-up changed anything that `restore` would undo."""
+        return bool(self._undo)
+
+    def restore(self, keep_surgery: bool = False) -> None:
+        """Undo every recorded change, newest first; with `keep_surgery` only the
+        instrumentation (hooks, installed forwards), keeping a replaced or untied head (whose
+        trained Parameters are the run's result)."""
+        kept = []
+        while self._undo:
+            undo, surgery = self._undo.pop()
+            if surgery and keep_surgery:
+                kept.append((undo, surgery))
+            else:
+                undo()
+        self._undo = kept[::-1] if keep_surgery else []
+        if not self._undo and self in _HANDLES.get(self.model, ()):
+            _HANDLES[self.model].remove(self)
+
+    def input_embedding(self) -> nn.Module | None:
+        """The token embedding, or None if the model has none reachable."""
+        return _get(self.model, self._embedding) if self._embedding else None
+
+    def blocks(self) -> Sequence[nn.Module]:
+        """The transformer blocks, in order (empty if unknown)."""
+        return list(_get(self.model, self._blocks)) if self._blocks else []
+
+    def hook_blocks(self, make_hook: Callable[[int], Callable], who: str) -> int:
+        """Register ``make_hook(i)`` as a forward hook on block i of every block, each removed by
+        `restore`; returns the number of blocks. `who` names the caller in the `SetupError`
+        raised when the handle knows no blocks."""
+        blocks = self.blocks()
+        if not blocks:
+            raise SetupError(
+                f"{who} needs the transformer blocks: build the ModelHandle with "
+                "blocks='<path of the nn.ModuleList of blocks>'"
+            )
+        for i, block in enumerate(blocks):
+            self.on_restore(block.register_forward_hook(make_hook(i)).remove)
+        return len(blocks)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.head().weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.head().weight.shape[1]
+
+    def tied(self) -> bool:
+        """True when the head and the input embedding share one weight Parameter."""
+        emb = self.input_embedding()
+        return emb is not None and getattr(emb, "weight", None) is self.head().weight
+
+    def untie(self) -> None:
+        """Give the head an independent copy of the shared weight (no-op when not tied); undone
+        by `restore` (the head gets the shared Parameter back)."""
+        if not self.tied():
+            return
+        head = self.head()
+        shared = head.weight
+        head.weight = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+        self.on_restore(lambda: setattr(head, "weight", shared), surgery=True)
+        if self._on_untie is not None:
+            self._on_untie()
+
+
+def peft_base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT ``PeftModel`` (duck-typed: ``get_base_model()`` and
+    ``peft_config``), else `model` itself."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) and hasattr(model, "peft_config") else model
+
+
+def _peft_copies(module: nn.Module) -> nn.ModuleDict | None:
+    """The per-adapter trained copies of a PEFT ``ModulesToSaveWrapper``, else None."""
+    copies = getattr(module, "modules_to_save", None)
+    return copies if isinstance(copies, nn.ModuleDict) and hasattr(module, "original_module") else None
+
+
+def _active_adapters(module: nn.Module) -> list[str]:
+    return [] if getattr(module, "disable_adapters", False) else list(getattr(module, "active_adapters", ()))
+
+
+def _lora_layer(module: nn.Module) -> bool:
+    """Whether `module` is a PEFT LoRA layer (a frozen ``base_layer`` plus trained A·B)."""
+    return callable(getattr(module, "get_delta_weight", None)) and hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+class OutputEmbeddingsHandle(ModelHandle):
+    """`ModelHandle` for a model with the transformers API (duck-typed, transformers need not be
+    installed): the head is ``get_output_embeddings()``, the embedding
+    ``get_input_embeddings()``, the blocks the modules whose class is in ``_no_split_modules``;
+    untying sets ``tie_word_embeddings=False`` on the config (and its text config) so that
+    nothing re-ties the weights.
+
+    Encoder-decoders (``config.is_encoder_decoder``): the head is the decoder's, so the blocks
+    are the decoder's and the input embedding is the decoder's token embedding (the shared one
+    of T5, Bart, Marian). PEFT: a ``PeftModel`` is unwrapped to its base model; a head in
+    ``modules_to_save`` is its active trained copy (the module that runs); a LoRA-adapted head
+    reads as W + ΔW for metrics (`head_weight`) and is refused by the methods that change the
+    head's gradient (`require_trainable_head`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        base = peft_base_model(model)
+        self.peft = base is not model
+        """Whether the model came wrapped in a PEFT ``PeftModel``."""
+        model = base
+        if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
+            raise SetupError(
+                f"{type(model).__name__}.get_output_embeddings() is missing or None: a language model with an "
+                "output-embedding (LM head) Linear is needed"
+            )
+        super().__init__(model, on_untie=self._mark_untied)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
+
+    def head(self) -> nn.Module:
+        head = self.model.get_output_embeddings()
+        copies = _peft_copies(head)
+        if copies is None:
+            return head
+        active = _active_adapters(head)
+        return copies[active[0]] if active and active[0] in copies else head.original_module
+
+    def head_weight(self) -> torch.Tensor:
+        head = self.head()
+        if not _lora_layer(head) or getattr(head, "merged", False):
+            return head.weight
+        with torch.no_grad():
+            weight = head.get_base_layer().weight.detach()
+            for adapter in _active_adapters(head):
+                if adapter in head.lora_A:
+                    weight = weight + head.get_delta_weight(adapter).to(weight.dtype)
+        return weight
+
+    def require_trainable_head(self, who: str) -> None:
+        head = self.head()
+        name = self._head_name()
+        if _lora_layer(head):
+            raise SetupError(
+                f"{who} changes the gradient of the LM head's weight W, but LoRA on the head ({name!r} in "
+                "target_modules) freezes W and trains A·B beside it: refused. Train the head in full instead: "
+                f"LoraConfig(modules_to_save=[{name!r}]) without it in target_modules"
+            )
+        if not head.weight.requires_grad:
+            raise SetupError(
+                f"{who} changes the gradient of the LM head's weight, but it is frozen (requires_grad=False)"
+                + (
+                    f": with PEFT, train the head too, LoraConfig(modules_to_save=[{name!r}])"
+                    if self.peft
+                    else f": unfreeze {name!r} or drop the method"
+                )
+            )
+
+    def register_logits_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
+        def on_output(module: nn.Module, args, output) -> None:
+            logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+            if isinstance(logits, torch.Tensor):
+                hook(logits)
+
+        self.on_restore(self.model.register_forward_hook(on_output).remove)
+
+    def _head_name(self) -> str:
+        head = self.model.get_output_embeddings()
+        for name, module in self.model.named_modules():
+            if module is head:
+                return name.rsplit(".", 1)[-1]
+        return "lm_head"
+
+    def _replace_head(self, module: nn.Module) -> None:
+        head = self.model.get_output_embeddings()
+        copies = _peft_copies(head)
+        active = _active_adapters(head) if copies is not None else []
+        if active and active[0] in copies:
+            copies[active[0]] = module
+        else:
+            self.model.set_output_embeddings(module)
+
+    def _decoder(self) -> nn.Module | None:
+        get = getattr(self.model, "get_decoder", None)
+        if not self.encoder_decoder or not callable(get):
+            return None
+        try:
+            return get()
+        except (AttributeError, NotImplementedError):
+            return None
+
+    def input_embedding(self) -> nn.Module | None:
+        decoder = self._decoder()
+        for owner in ((decoder, self.model) if decoder is not None else (self.model,)):
+            try:
+                embedding = owner.get_input_embeddings()
+            except (AttributeError, NotImplementedError):
+                continue
+            if embedding is not None:
+                return embedding
+        return None
+
+    def blocks(self) -> list[nn.Module]:
+        """The blocks feeding the head (an encoder-decoder's decoder blocks): the modules whose
+        class is in ``_no_split_modules``, else the first ``nn.ModuleList`` of same-class
+        modules (Marian declares none)."""
+        decoder = self._decoder()
+        root = decoder if decoder is not None else self.model
+        names = set(getattr(self.model, "_no_split_modules", None) or ())
+        found = [m for m in root.modules() if type(m).__name__ in names]
+        if found:
+            return found
+        for module in root.modules():
+            if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+                return list(module)
+        return []
+
+    def _mark_untied(self) -> None:
+        config = getattr(self.model, "config", None)
+        if config is None:
+            return
+        configs = [config]
+        if callable(getattr(config, "get_text_config", None)):
+            configs.append(config.get_text_config())
+        before = [(cfg, cfg.tie_word_embeddings) for cfg in configs]
+        for cfg in configs:
+            cfg.tie_word_embeddings = False
+        self.on_restore(lambda: [setattr(cfg, "tie_word_embeddings", value) for cfg, value in before], surgery=True)
+        expand = getattr(self.model, "get_expanded_tied_weights_keys", None)
+        if callable(expand):  # transformers caches the tie mapping; init_weights() re-ties from it
+            cached = self.model.__dict__.get("all_tied_weights_keys", _MISSING)
+            self.model.all_tied_weights_keys = expand(all_submodels=True)
+            self.on_restore(lambda: self._restore_attribute("all_tied_weights_keys", cached), surgery=True)
+
+    def _restore_attribute(self, name: str, value: object) -> None:
+        if value is _MISSING:
+            self.model.__dict__.pop(name, None)
+        else:
+            setattr(self.model, name, value)
+
+
+def detach(model: nn.Module, keep_surgery: bool = False) -> int:
+    """Undo what every aniso_plugins set-up did to `model` (or a module inside it) that was not
+    undone yet, e.g. by a Trainer of a notebook cell run before whose callback is gone; returns
+    how many set-ups were undone. `keep_surgery` keeps replaced or untied heads."""
+    done = 0
+    for root, handles in list(_HANDLES.items()):
+        if root is model or any(m is model for m in root.modules()) or any(m is root for m in model.modules()):
+            for handle in list(handles)[::-1]:
+                handle.restore(keep_surgery)
+                done += 1
+    return done
+
+
+def find_handle(
+    root: nn.Module, *, head: str | None = None, input_embedding: str | None = None, blocks: str | None = None
+) -> ModelHandle:
+    """The handle for `root`: by submodule paths when `head` is given, else the first module
+    (depth-first, `root` included) with the transformers ``get_output_embeddings()`` API."""
+    if head is not None:
+        return ModelHandle(root, head=head, input_embedding=input_embedding, blocks=blocks)
+    for module in root.modules():
+        get = getattr(module, "get_output_embeddings", None)
+        if callable(get) and isinstance(get(), nn.Module):
+            return OutputEmbeddingsHandle(module)
+    raise SetupError(
+        f"found no LM head in {type(root).__name__}: no submodule has get_output_embeddings(); "
+        "name it with head='path.to.lm_head' (and input_embedding=, blocks=)"
+    )
+
+
+__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "detach", "find_handle", "peft_base_model"]

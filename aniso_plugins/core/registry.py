@@ -1,0 +1,82 @@
+"""The built-in method, head and metric names and the plugin classes that implement them.
+
+Classes are named by import string (``"package.module:Class"``) and imported only by `resolve`,
+so `aniso_plugins.core.config` reads the names from here without importing any plugin module (no
+import cycles, and a metric's dependencies load only when it is configured).
+
+Construction (see `aniso_plugins.core.builtins.aniso_make_plugins`): every class is called
+with the `AnisoConfig`; the metrics in `NEEDS_TARGET_COUNTS` also get the shared
+`TARGET_COUNTS` plugin (one counter of training targets) as second argument. A value of None
+means the name adds no plugin (``method="none"``, ``head="keep"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+
+from aniso_plugins.core.errors import ConfigError
+
+_PKG = "aniso_plugins"
+
+METHODS: Mapping[str, str | None] = {
+    "none": None,
+    "agg": f"{_PKG}.methods.agg.plugin:AGGPlugin",
+    "cosreg": f"{_PKG}.methods.regularizers.plugin:RegularizerPlugin",
+    "hinge": f"{_PKG}.methods.regularizers.plugin:RegularizerPlugin",
+    "spectrum": f"{_PKG}.methods.regularizers.plugin:RegularizerPlugin",
+    "simctg": f"{_PKG}.methods.simctg.plugin:SimCTGPlugin",
+    "uniformity": f"{_PKG}.methods.uniformity.plugin:UniformityPlugin",
+    "simcse": f"{_PKG}.methods.simcse.plugin:SimCSEPlugin",
+}
+"""``AnisoConfig.method`` entries -> the training-method plugins (one per configured method)."""
+
+HEADS: Mapping[str, str | None] = {
+    "keep": None,
+    "untie": f"{_PKG}.methods.heads.plugin:HeadSurgeryPlugin",
+    "lowrank": f"{_PKG}.methods.heads.plugin:HeadSurgeryPlugin",
+}
+"""``AnisoConfig.head`` -> the head-surgery plugin."""
+
+METRICS: Mapping[str, str] = {
+    "geometry": f"{_PKG}.metrics.geometry.plugin:GeometryPlugin",
+    "frequency": f"{_PKG}.metrics.frequency.plugin:FrequencyGroupsPlugin",
+    "hidden": f"{_PKG}.metrics.hidden.plugin:HiddenStatesPlugin",
+    "bottleneck": f"{_PKG}.metrics.bottleneck.plugin:BottleneckPlugin",
+    "eval": f"{_PKG}.metrics.evaluation.plugin:EvalPlugin",
+    "uniformity": f"{_PKG}.methods.uniformity.plugin:UniformityMetricPlugin",
+    "ethayarajh": f"{_PKG}.metrics.ethayarajh.plugin:EthayarajhPlugin",
+}
+"""``AnisoConfig.metrics`` entries -> metric plugins."""
+
+TARGET_COUNTS = f"{_PKG}.metrics.frequency.target_counts:TargetCountsPlugin"
+"""The shared counter of training targets (built with no arguments, once per run)."""
+
+NEEDS_TARGET_COUNTS = frozenset({"frequency", "eval"})
+"""Metrics constructed as ``cls(config, counts)`` with the shared `TARGET_COUNTS` plugin."""
+
+TABLES: Mapping[str, Mapping[str, str | None]] = {"method": METHODS, "head": HEADS, "metrics": METRICS}
+
+
+def resolve(spec: str) -> type:
+    """The class named by an import string ``"package.module:Class"``."""
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{spec!r}: expected an import string 'package.module:Class'")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def plugin_class(field: str, name: str) -> type | None:
+    """The plugin class of the built-in `name` of configuration `field` ("method", "head" or
+    "metrics"), or None when the name adds no plugin; an unknown name raises `ConfigError`."""
+    table = TABLES[field]
+    if name not in table:
+        raise ConfigError(f"{field}={name!r}: expected one of {', '.join(table)}")
+    spec = table[name]
+    return None if spec is None else resolve(spec)
+
+
+__all__ = ["HEADS", "METHODS", "METRICS", "NEEDS_TARGET_COUNTS", "TARGET_COUNTS", "plugin_class", "resolve"]

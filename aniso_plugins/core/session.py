@@ -1,0 +1,509 @@
+"""The one object a trainer adapter talks to: a training run's plugins plus the bookkeeping
+every adapter needs between its trainer's events and the hooks.
+
+An adapter translates its trainer's events into these calls, and nothing else::
+
+    session = TrainingSession(config, plugins, owns_loss=...)
+    session.setup(handle)                        before the optimizer exists / the model is wrapped
+    session.begin_training(epoch_steps=..., start_step=..., accumulation_steps=...,
+                           loss_scale=..., grad_scaler=...)
+    session.load_state_dict(...) / session.load(dir)      when resuming (before or after begin_training)
+    session.begin_micro_batch(targets, step=..., ...)     each training micro-batch, before its forward
+    (forward: the head's forward hook attaches the loss terms on the micro-batch they are due,
+     and each micro-batch's activation-dependent terms; an adapter whose loss calls the head
+     on chunks calls session.attach_activation_terms(hidden) on the whole micro-batch first)
+    loss = session.supplied_loss()               batches without labels, when supplies_loss
+    session.end_step(step)                       after the optimizer step
+    session.measure_and_log(step, "train", sink) at steps where `measures_at` says so, every rank
+    with session.evaluating(targets): ...       around each evaluation batch's forward
+    session.measure_and_log(step, "eval", sink) after the evaluation loop
+
+The session numbers micro-batches within a step, decides when loss terms and metrics are due,
+attaches loss terms inside the head's forward (`aniso_plugins.core.loss.attach_loss`) with the
+adapter's gradient scale (and the fp16 grad scaler's), and feeds the head's evaluation output to
+the plugins, so adapters hold no bookkeeping and no method math. docs/design.md follows one
+micro-batch through each adapter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from aniso_plugins.core.config import AnisoConfig, ConfigError
+from aniso_plugins.core.errors import StateError
+from aniso_plugins.core.loss import attach_loss
+from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.plugins import AnisoPlugins
+from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
+from aniso_plugins.core.steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
+from aniso_plugins.numerics.distributed import rank_and_world
+
+logger = logging.getLogger("aniso_plugins")
+
+MetricsSink = Callable[[dict[str, float]], Any]
+"""Where an adapter hands finished metrics: its trainer's own logger."""
+
+
+class GradScaler(Protocol):
+    """What the session reads of a mixed-precision gradient scaler (``torch.amp.GradScaler``)."""
+
+    def is_enabled(self) -> bool: ...
+
+    def get_scale(self) -> float: ...
+
+
+class TrainingSession:
+    """One training run's plugins plus the adapter-side bookkeeping.
+
+    config / plugins: as for `AnisoPlugins`.
+    owns_loss: whether the adapter computes the loss itself and so can let the LM head return
+        the fused AGG cross-entropy (``config.agg_fused``); others refuse that setting here.
+    """
+
+    def __init__(
+        self,
+        config: AnisoConfig | None = None,
+        plugins: Iterable[object] = (),
+        *,
+        owns_loss: bool = False,
+    ) -> None:
+        if config is not None and config.uses("agg") and config.agg_fused and not owns_loss:
+            raise ConfigError(
+                "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
+                "run (it does in the torchtitan adapter); AGG runs as the gated LM head here: agg_fused=False"
+            )
+        self.plugins = AnisoPlugins(config, plugins)
+        self.config = self.plugins.config
+        self.owns_loss = owns_loss
+        self.handle: ModelHandle | None = None
+        self.run: RunInfo | None = None
+        self._loss_scale = 1.0
+        self._grad_scaler: GradScaler | None = None
+        self._micro_batch = 0
+        self._current: StepInfo | None = None
+        self._loss_due = False
+        self._activations_due = False
+        self._targets: torch.Tensor | None = None
+        self._head_input: torch.Tensor | None = None
+        self._supplied: torch.Tensor | None = None
+        self._supplying = False
+        self._eval: TargetChunks | None = None
+        self._eval_paused = False
+        self._pending_state: tuple[Mapping[str, Mapping[str, torch.Tensor]], str] | None = None  # (state, where)
+
+    # --- what the adapter asks ----------------------------------------------------------------
+    @property
+    def head_computes_loss(self) -> bool:
+        """Whether the LM head returns a training micro-batch's loss itself (the fused AGG
+        cross-entropy, normalized by the micro-batch's ``loss_normalizer``) instead of logits:
+        only for an adapter that owns the loss and ``config.agg_fused``."""
+        return self.owns_loss and self.config.uses("agg") and self.config.agg_fused
+
+    @property
+    def supplies_loss(self) -> bool:
+        """Whether a training batch without labels is trained on the plugins' loss terms alone
+        (``method`` includes "simcse": unsupervised SimCSE has no token loss); the adapter then
+        announces it with ``begin_micro_batch(..., supplies_loss=True)``, runs the forward and
+        backpropagates `supplied_loss()` instead of the model's loss."""
+        return self.config.uses("simcse")
+
+    @property
+    def wants_eval_batches(self) -> bool:
+        """Whether any plugin reads evaluation batches (adapters may skip `evaluating` if not)."""
+        return self.plugins.implements("aniso_eval_batch")
+
+    def measures_at(self, step: int, trainer_logs: bool) -> bool:
+        """Whether metrics are measured after optimizer step `step`: every
+        ``config.metrics_every`` steps, or at the trainer's own logging steps (`trainer_logs`)
+        when that is None."""
+        every = self.config.metrics_every
+        return trainer_logs if every is None else step % every == 0
+
+    # --- set-up -----------------------------------------------------------------------------
+    def setup(self, handle: ModelHandle) -> None:
+        """Run the plugins' set-up (head surgery, model-dependent checks) and hook the final
+        head's output (loss terms, evaluation batches). Once, before the optimizer is built.
+
+        Transactional: if any plugin's set-up raises, everything the others did to the model is
+        undone (`ModelHandle.restore`) before the error propagates."""
+        if self.handle is not None:
+            raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
+        try:
+            self.plugins.setup(handle)
+            head = handle.head()
+            # prepended: the activation terms see the head's input before any probe replaces it
+            pre = head.register_forward_pre_hook(self._on_head_input, prepend=True)
+            handle.on_restore(pre.remove)
+            hook = head.register_forward_hook(self._on_head_output)
+            handle.on_restore(hook.remove)
+            handle.register_logits_hook(self._on_logits)
+        except BaseException:
+            handle.restore()
+            raise
+        self.handle = handle
+
+    def detach(self, keep_head: bool = False) -> None:
+        """Undo everything set-up did to the model (installed forwards, hooks, head surgery):
+        afterwards it has the same modules, Parameters, tying and forwards as before `setup`,
+        and a new session (or this one, with `setup`) can attach to it again. `keep_head`
+        keeps a replaced or untied head (trained: it is the run's result) and removes only
+        the instrumentation. A no-op when not set up. Training state (counters) is kept until
+        the session is discarded."""
+        if self.handle is None:
+            return
+        self.handle.restore(keep_surgery=keep_head)
+        self.handle = None
+        self.run = None
+        self._current = None
+        self._loss_due = False
+        self._clear_micro_batch()
+        self._eval = None
+
+    def begin_training(
+        self,
+        *,
+        epoch_steps: int | None = None,
+        start_step: int = 0,
+        accumulation_steps: int = 1,
+        loss_scale: float = 1.0,
+        grad_scaler: GradScaler | None = None,
+    ) -> RunInfo:
+        """Training starts or resumes; the plugins learn what the trainer knows.
+
+        epoch_steps: optimizer steps per epoch (`epoch_length` computes it), None if unknown;
+        start_step: optimizer steps already done; accumulation_steps: micro-batches per step;
+        loss_scale: gradient weight of the loss terms for the trainer's data-parallel
+            reduction (1 when gradients are averaged over ranks, as DDP and FSDP2 do; 1/world
+            when they are summed, as torchtitan does);
+        grad_scaler: the trainer's fp16 gradient scaler, if any: backward runs on the scaled
+            loss, so the loss terms are scaled by its current scale too.
+        State loaded before this call is restored right after the plugins' hook."""
+        if self.handle is None:
+            raise SetupError("TrainingSession.setup(handle) must run before begin_training")
+        self.run = RunInfo(epoch_steps=epoch_steps, start_step=start_step, accumulation_steps=accumulation_steps)
+        self._loss_scale = loss_scale
+        self._grad_scaler = grad_scaler
+        self.plugins.begin_training(self.run)
+        if self._pending_state is not None:
+            (state, where), self._pending_state = self._pending_state, None
+            self._restore(state, where)
+        return self.run
+
+    @staticmethod
+    def epoch_length(batches: object, accumulation_steps: int) -> int | None:
+        """Optimizer steps per epoch of `batches` micro-batches (a count or a sized loader);
+        None when unknown or infinite."""
+        return optimizer_steps_per_epoch(batches, accumulation_steps)
+
+    # --- training ---------------------------------------------------------------------------
+    def begin_micro_batch(
+        self,
+        targets: torch.Tensor,
+        *,
+        step: int,
+        accumulation_steps: int = 1,
+        measure: bool = False,
+        head_calls: int = 1,
+        loss_normalizer: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        sequence_ids: torch.Tensor | None = None,
+        supplies_loss: bool = False,
+    ) -> StepInfo:
+        """Announce a training micro-batch (targets already aligned with the head's output).
+
+        step: 1-based index of the optimizer step this micro-batch belongs to;
+        accumulation_steps: micro-batches in this step (a trainer's last window of an epoch
+        may be shorter); measure: whether metrics are measured after this step;
+        head_calls / loss_normalizer / input_ids / attention_mask / sequence_ids: see `StepInfo`;
+        supplies_loss: the batch has no labels and `supplied_loss()` will be its loss (only
+        when `supplies_loss` says the configuration can)."""
+        if self.run is None:
+            raise SetupError("TrainingSession.begin_training(...) must run before the first micro-batch")
+        if self._current is not None and self._current.step != step:
+            self._micro_batch = 0
+        info = StepInfo(
+            step=step,
+            micro_batch=self._micro_batch,
+            accumulation_steps=max(accumulation_steps, self._micro_batch + 1),
+            measure=measure,
+            head_calls=head_calls,
+            loss_normalizer=loss_normalizer,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            sequence_ids=sequence_ids,
+        )
+        if supplies_loss and not self.supplies_loss:
+            raise ConfigError(
+                f"a training batch without labels: method={self.config.method} has no loss of its own to train on "
+                "(only 'simcse' does); give the batches labels"
+            )
+        self._micro_batch += 1
+        self._current = info
+        self._clear_micro_batch()
+        self.plugins.targets(targets, info)
+        self._loss_due = self.config.reg_every_microbatch or info.last_micro_batch
+        self._activations_due = self.plugins.implements("aniso_activation_loss_terms")
+        self._targets = targets
+        self._supplying = supplies_loss
+        return info
+
+    def _clear_micro_batch(self) -> None:
+        self._activations_due = False
+        self._targets = None
+        self._head_input = None
+        self._supplied = None
+        self._supplying = False
+
+    def attach_activation_terms(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden`, the LM head's input for the whole current micro-batch, with this
+        micro-batch's activation-dependent loss terms attached (same value; backward also
+        sends their gradient). For adapters whose loss calls the head on chunks (torchtitan);
+        elsewhere the head's forward hook does it. A no-op when none are due."""
+        if not (self._activations_due and hidden.requires_grad and torch.is_grad_enabled()):
+            return hidden
+        self._activations_due = False
+        total = self.plugins.activation_loss_terms(hidden, self._targets, self._current)
+        return hidden if total is None else attach_loss(hidden, total, self._activation_scale())
+
+    def supplied_loss(self) -> torch.Tensor:
+        """The loss of a micro-batch announced with ``supplies_loss=True``, after its forward:
+        backward through it sends exactly the loss terms' gradients (as `attach_loss`), and its
+        value is the micro-batch's term (the sum of the shares over ranks, on average over
+        ranks). Its value may be rescaled for logging without changing the gradient."""
+        loss, self._supplied = self._supplied, None
+        if loss is None:
+            raise SetupError(
+                "TrainingSession.supplied_loss: no loss terms were computed in this micro-batch's forward (announce it "
+                "with begin_micro_batch(..., supplies_loss=True) and run the model's forward first)"
+            )
+        return loss
+
+    def end_step(self, step: int) -> None:
+        """The optimizer step `step` was applied."""
+        info = self._current if self._current is not None and self._current.step == step else StepInfo(step=step)
+        self.plugins.step_end(info)
+        self._micro_batch = 0
+        self._loss_due = False
+
+    def _gradient_scale(self) -> float:
+        """Weight of a term identical on every rank (the weight loss terms)."""
+        scaler = self._grad_scaler
+        amp = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+        return self._loss_scale * amp
+
+    def _activation_scale(self) -> float:
+        """Weight of a rank's share: the trainer's reduction makes ``loss_scale · world`` of
+        them sum over ranks (DDP averages: 1 · world; torchtitan sums: 1/world · world)."""
+        return self._gradient_scale() * rank_and_world()[1]
+
+    def _on_head_input(self, module: nn.Module, args):
+        if self._activations_due and module.training and args and isinstance(args[0], torch.Tensor):
+            if self._current is not None and self._current.head_calls > 1:
+                raise SetupError(
+                    "activation loss terms with a head called on chunks of the micro-batch: the adapter must call "
+                    "TrainingSession.attach_activation_terms(hidden) on the whole micro-batch before its loss"
+                )
+            self._head_input = args[0]
+        return None
+
+    def _on_logits(self, logits: torch.Tensor) -> None:
+        """The logits the model's loss reads (`ModelHandle.register_logits_hook`): inside
+        `evaluating`, the evaluation batch's."""
+        if self._eval is not None and not self._eval_paused:
+            targets = self._eval.take(logits.shape[:-1])
+            if targets is not None:
+                self.plugins.eval_batch(logits.detach(), targets)
+
+    def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
+        if self._eval is not None or not (module.training and torch.is_grad_enabled()):
+            return None
+        total = None
+        hidden, self._head_input = self._head_input, None
+        if hidden is not None and self._activations_due and hidden.requires_grad:
+            self._activations_due = False
+            shares = self.plugins.activation_loss_terms(hidden, self._targets, self._current)
+            if shares is not None:
+                total = shares * (self._activation_scale() / self._gradient_scale())
+        if self._loss_due:
+            self._loss_due = False
+            terms = self.plugins.loss_terms(self._current)
+            if terms is not None:
+                total = terms if total is None else total + terms
+        if total is None:
+            return None
+        if self._supplying:  # no token loss: the terms are this micro-batch's whole loss
+            value = total.detach().requires_grad_()
+            if rank_and_world()[1] > 1:  # DDP all-reduces only once every parameter of the forward has a
+                value = value + _ZeroThrough.apply(output)  # gradient: the head's get zeros (one backward through it)
+            self._supplied = attach_loss(value, total, self._gradient_scale())
+            return None
+        return attach_loss(output, total, self._gradient_scale())
+
+    # --- measurement ------------------------------------------------------------------------
+    def measure(self, step: int, kind: str = "train") -> dict[str, float]:
+        """Metrics (``aniso/...``) at `step`; collective, identical on every rank."""
+        return self.plugins.measure(StepInfo(step=step, measure=True), kind)
+
+    def measure_and_log(
+        self, step: int, kind: str = "train", sink: MetricsSink | None = None, prefix: str = ""
+    ) -> dict[str, float]:
+        """Measure (collective: every rank), hand the metrics, named ``prefix + "aniso/..."``,
+        to `sink` (the trainer's own logger; skipped when there are none), then to the plugins'
+        `aniso_log`, in that order. Returns them."""
+        metrics = {prefix + name: value for name, value in self.measure(step, kind).items()}
+        if metrics and sink is not None:
+            sink(metrics)
+        self.plugins.log(metrics, step, kind)
+        return metrics
+
+    @contextlib.contextmanager
+    def evaluating(self, targets: torch.Tensor | None, head_calls: int = 1) -> Iterator[None]:
+        """While inside, the logits the model's loss reads (`ModelHandle.register_logits_hook`:
+        the head's outputs, or a transformers model's output logits after any logit bias or
+        soft-cap) are evaluation logits for `targets` (aligned with them; the i-th of
+        `head_calls` head calls gets the i-th equal chunk of the last dimension) and go to the
+        plugins' `aniso_eval_batch`. Logits whose leading shape is not their chunk's (a
+        generation step, (B, 1, V)) are not fed and leave the chunk for the next call. None
+        targets: nothing is fed."""
+        if targets is None or not self.wants_eval_batches:
+            yield
+            return
+        self._eval = TargetChunks(targets, head_calls)
+        try:
+            yield
+        finally:
+            self._eval = None
+
+    @contextlib.contextmanager
+    def not_evaluating(self) -> Iterator[None]:
+        """Inside `evaluating`, head outputs that are not the evaluation logits of its targets
+        (the steps of ``generate()`` before the labelled forward, ``predict_with_generate``)."""
+        paused, self._eval_paused = self._eval_paused, True
+        try:
+            yield
+        finally:
+            self._eval_paused = paused
+
+    REPORT_DIR = "aniso_report"
+
+    def write_report(self, output_dir: str | os.PathLike) -> list[str]:
+        """``config.report_at_end``: the offline report (`aniso_plugins.offline.report.write_report`) of
+        the model's input embedding and head into ``output_dir/aniso_report``; call on one
+        process. A monitoring path: a failure is a warning, never an error. Returns the paths."""
+        if self.handle is None:
+            return []
+        directory = os.path.join(os.fspath(output_dir), self.REPORT_DIR)
+        try:
+            from aniso_plugins.offline.report import write_report
+
+            paths = write_report(_EmbeddingsView(self.handle), directory, name="final")
+        except Exception as e:  # e.g. FSDP2-sharded weights, a missing plotting extra
+            logger.warning("aniso_plugins: the end-of-training report was not written to %s (%s: %s)", directory, type(e).__name__, e)
+            return []
+        logger.info("aniso_plugins: end-of-training report written to %s", directory)
+        return paths
+
+    # --- state ------------------------------------------------------------------------------
+    STATE_FILE = "aniso_state.safetensors"
+
+    def state_dict(self) -> dict:
+        """In-memory state for trainers that checkpoint Python objects (Lightning):
+        ``{"config": dict, "plugins": {namespace: {key: tensor}}}``."""
+        return {"config": self.config.to_dict(), "plugins": self.plugins.state_dict()}
+
+    def load_state_dict(self, state: dict, where: str = "checkpointed aniso_plugins state") -> None:
+        """Restore `state_dict()` output, refusing one from an incompatible configuration
+        (see `load` for what a refusal does). Before `begin_training` it is kept and restored
+        when training begins. `where` names the state's origin in messages."""
+        with self.reading_state(where):
+            if not isinstance(state, Mapping) or not {"config", "plugins"} <= set(state):
+                raise StateError(f"{where}: not an aniso_plugins state (expected the keys 'config' and 'plugins')")
+            check_compatible(state["config"], self.config.to_dict(), where)
+            self._restore(state["plugins"], where)
+
+    def save(self, directory: str | os.PathLike) -> str:
+        """Write the plugins' state into `directory` (call on one rank); returns the path."""
+        path = os.path.join(os.fspath(directory), self.STATE_FILE)
+        remove_stale_temporaries(path)
+        self.plugins.save(path)
+        return path
+
+    def load(self, directory: str | os.PathLike) -> bool:
+        """Restore from `directory` if it holds a state file; returns whether it did.
+
+        State that cannot be used (an unreadable file, another configuration, a counter window
+        that cannot be re-cut exactly) raises `StateError` naming the file and the way out, or,
+        with ``config.on_state_mismatch="reset"``, is skipped with a warning (fresh state)."""
+        path = os.path.join(os.fspath(directory), self.STATE_FILE)
+        remove_stale_temporaries(path)
+        if not os.path.exists(path):
+            return False
+        with self.reading_state(path):
+            self._restore(load_state(path, self.config.to_dict()), path)
+        return True
+
+    def _restore(self, plugin_state: Mapping[str, Mapping[str, torch.Tensor]], where: str) -> None:
+        if self.run is None:
+            self._pending_state = (plugin_state, where)
+            return
+        with self.reading_state(where):
+            self.plugins.load_state_dict(plugin_state)
+
+    @contextlib.contextmanager
+    def reading_state(self, where: str) -> Iterator[None]:
+        """Around reading and restoring saved state from `where` (a path, a checkpoint entry):
+        any failure becomes a `StateError` that names `where`, what is wrong and the way out;
+        with ``config.on_state_mismatch="reset"`` it is a warning instead and the plugins'
+        state stays fresh."""
+        try:
+            try:
+                yield
+            except StateError:
+                raise
+            except Exception as e:  # unreadable bytes, or a plugin refusing its part
+                raise StateError(f"{where}: the saved state cannot be used ({type(e).__name__}: {e}); {RESET_HINT}") from e
+        except StateError as e:
+            if self.config.on_state_mismatch != "reset":
+                raise
+            logger.warning("%s -- on_state_mismatch='reset': the plugins' state starts fresh", e)
+
+
+class _ZeroThrough(torch.autograd.Function):
+    """0 as a function of `x`, whose backward sends zeros to `x` (the parameters behind `x` take
+    part in the backward with zero gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.meta = (x.shape, x.dtype, x.device)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        shape, dtype, device = ctx.meta
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class _EmbeddingsView(nn.Module):
+    """The model's input embedding and head, seen through the transformers accessor names that
+    the report reads (a handle may name them by submodule path)."""
+
+    def __init__(self, handle: ModelHandle) -> None:
+        super().__init__()
+        self.__dict__["handle"] = handle  # not a registered submodule
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        return self.handle.input_embedding()
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.handle.head()
+
+
+__all__ = ["GradScaler", "MetricsSink", "TrainingSession"]

@@ -1,0 +1,1 @@
+"""Training methods, one package each: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""The `agg` feature: its math and its plugin."""

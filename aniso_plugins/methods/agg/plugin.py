@@ -1,0 +1,230 @@
+"""The AGG plugin: token counter + gates + gated LM head, wired into the core's hooks.
+
+At set-up (`aniso_setup`): check ``special_ids`` against the vocabulary and install the AGG
+head (`aniso_plugins.methods.agg.head.AGGForward`) on the model's LM head. When training begins
+(`aniso_begin_training`): build the token counter with window K = ``config.window``, else the
+trainer's epoch length. Per training micro-batch (`aniso_targets`): count its targets (summed
+across data-parallel ranks), compute the gates from the appearance that now includes them (the
+official order, docs/methods.md §1.1), and arm the head with both (and, where the adapter owns
+the loss, with its normalizer: the head then returns the fused AGG cross-entropy). After the
+optimizer step (`aniso_step_end`): advance the counter. Validation and evaluation never reach
+the counter (no `aniso_targets` for them, and the head gates only in training mode with grad
+enabled).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from aniso_plugins.core.config import AnisoConfig, ConfigError
+from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.steps import RunInfo, StepInfo
+from aniso_plugins.methods.agg.counter import SlidingTokenCounter
+from aniso_plugins.methods.agg.gates import AGGGates, agg_gates
+from aniso_plugins.methods.agg.head import AGGForward, check_linear_head
+from aniso_plugins.numerics.distributed import is_distributed
+
+NAMESPACE = "agg"
+logger = logging.getLogger("aniso_plugins")
+
+
+class AGGPlugin:
+    """AGG (Yu et al., ACL 2022) as a plugin; reads ``alpha``, ``window``, ``special_ids``,
+    ``ignore_index`` and the ``agg_*`` ablations of `AnisoConfig`.
+
+    window: ``config.window``, else ``RunInfo.epoch_steps`` from the adapter (the paper's one
+    epoch of optimizer steps), else a `ConfigError` when training begins.
+    `process_group`: the data-parallel group whose ranks' counts are summed (default: the world);
+    an adapter with tensor or pipeline parallel ranks that see the same targets sets it.
+    """
+
+    name = "agg"
+
+    def __init__(self, config: AnisoConfig) -> None:
+        self.config = config
+        self.process_group: dist.ProcessGroup | None = None
+        self.head: AGGForward | None = None
+        self.model: ModelHandle | None = None
+        self.counter: SlidingTokenCounter | None = None
+        self.vocab_size: int | None = None
+        self.last_gates: AGGGates | None = None
+        self._static: tuple[torch.Tensor, int] | None = None  # (appearance, steps) frozen by agg_static_after
+        self._step_warned = False
+
+    # --- hooks --------------------------------------------------------------------------------
+    @hookimpl
+    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        vocab = model.vocab_size
+        bad = [i for i in config.special_ids if i >= vocab]
+        if bad:
+            raise ConfigError(f"special_ids={config.special_ids!r}: ids {bad} are >= the vocabulary size {vocab}")
+        model.require_trainable_head("method='agg'")
+        head = model.head()
+        check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
+        self.model = model
+        self.vocab_size = vocab
+        self.head = AGGForward(head, ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
+        model.on_restore(self.head.remove)
+
+    @hookimpl
+    def aniso_begin_training(self, run: RunInfo) -> None:
+        self._check_head_in_place()
+        window = self.config.window or run.epoch_steps
+        if window is None:
+            raise ConfigError(
+                "window=None: AGG needs the token-counter window K (optimizer steps remembered; the paper "
+                "uses one epoch) and the trainer did not report its steps per epoch: set AnisoConfig(window=...)"
+            )
+        if self.counter is not None and self.counter.window == window:
+            return  # training again with the same window: keep the counts
+        self.counter = SlidingTokenCounter(
+            self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index
+        )
+        self._static = None
+
+    @hookimpl
+    def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
+        counter = self._ready()
+        self._check_consumed(step)
+        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+            raise SetupError(
+                f"AGG: the training targets are {targets.dtype}, not integer token ids: the batch's 'labels' (or the "
+                "targets function) must hold token ids (e.g. labels=input_ids.clone(), torch.long)"
+            )
+        if step.step != counter.step_index and not self._step_warned:
+            self._step_warned = True
+            logger.warning(
+                "AGG: the trainer is at step %d but the token counter at step %d (no AGG state was "
+                "restored?); the counter keeps its own step index",
+                step.step,
+                counter.step_index,
+            )
+        try:
+            counter.update(targets, all_reduce=is_distributed(), group=self.process_group)
+        except ValueError as e:
+            shape = tuple(self.head.module.weight.shape)
+            raise SetupError(
+                f"AGG: {e}. The vocabulary size {counter.vocab_size} is the first dimension of the LM head's weight "
+                f"{shape}; targets must be token ids below it (or ignore_index={self.config.ignore_index})"
+            ) from e
+        gates = self._gates(counter)
+        self.last_gates = gates
+        fused = self.config.agg_fused
+        if fused and step.loss_normalizer is None:
+            raise SetupError("AGG with agg_fused: the adapter announced a micro-batch without its loss normalizer")
+        self.head.arm(
+            targets,
+            gates,
+            chunks=1 if fused else step.head_calls,
+            loss_normalizer=step.loss_normalizer if fused else None,
+        )
+
+    @hookimpl
+    def aniso_step_end(self, step: StepInfo) -> None:
+        counter = self._ready()
+        self._check_consumed(step)
+        after = self.config.agg_static_after
+        if after is not None and self._static is None and counter.step_index >= after:
+            self._static = (counter.appearance(), counter.steps_in_window)
+        counter.step()
+
+    @hookimpl
+    def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        # Counts are summed across ranks in aniso_targets, so these are identical on every rank
+        # and need no reduction.
+        if kind != "train" or self.last_gates is None:
+            return None
+        gates = self.last_gates
+        rare = gates.rare
+        n_rare = int(rare.sum())
+        nan = float("nan")
+        return {
+            "agg/rare_size": float(n_rare),
+            "agg/g1_mean_rare": float(gates.g1[rare].mean()) if n_rare else nan,
+            "agg/g2_mean_rare": float(gates.g2[rare].mean()) if n_rare else nan,
+            "agg/counter_bytes": float(self.counter.nbytes),
+        }
+
+    @hookimpl
+    def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:
+        if self.counter is None:
+            return None
+        state = self.counter.state_dict()
+        if self._static is not None:
+            state["static_appearance"] = self._static[0]
+            state["static_steps"] = torch.tensor([self._static[1]], dtype=torch.int64)
+        return {NAMESPACE: state}
+
+    @hookimpl
+    def aniso_load_state_dict(self, state: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        mine = state.get(NAMESPACE)
+        if mine is None:
+            return
+        current = self._ready()
+        counter = SlidingTokenCounter(
+            current.vocab_size, current.window, always_frequent=current.always_frequent, ignore_index=current.ignore_index
+        )
+        counter.load_state_dict(mine)  # raises before anything is replaced
+        saved_window = int(mine["window"][0])
+        if saved_window != counter.window:
+            logger.warning(
+                "AGG: the saved token counter has window K=%d, this run K=%d (the epoch length changed with the "
+                "batch size, the number of ranks or the gradient accumulation, or window= did): it keeps the last "
+                "%d completed steps, exactly the counts a K=%d run would hold",
+                saved_window,
+                counter.window,
+                counter.window - 1,
+                counter.window,
+            )
+        static = None
+        if "static_appearance" in mine:
+            static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]))
+        self.counter, self._static = counter, static
+
+    # --- internals ------------------------------------------------------------------------------
+    def _check_head_in_place(self) -> None:
+        current = self.model.head()
+        if current is not self.head.module:
+            raise SetupError(
+                f"AGG gates the LM head it set up ({type(self.head.module).__name__}), but the model's head is now a "
+                f"{type(current).__name__}: something replaced it after AGG's set-up (e.g. a second AnisoCallback "
+                "with head=...). Put every option in one AnisoConfig (AnisoConfig(method='agg', head='lowrank', ...)) "
+                "so the head is replaced first and AGG gates the new one"
+            )
+
+    def _check_consumed(self, step: StepInfo) -> None:
+        """A micro-batch AGG was announced must have run through the gated head."""
+        if not self.head.armed:
+            return
+        self._check_head_in_place()
+        raise SetupError(
+            f"AGG: step {step.step}'s micro-batch was announced, but the LM head's gated forward did not run on it "
+            "(the head ran in eval mode, without gradients, or not at all), so its weight gradient was not gated. "
+            "AGG needs the training forward to call the model's LM head"
+        )
+
+    def _ready(self) -> SlidingTokenCounter:
+        if self.counter is None:
+            raise RuntimeError("AGG: no token counter yet (the adapter must call TrainingSession.begin_training first)")
+        return self.counter
+
+    def _gates(self, counter: SlidingTokenCounter) -> AGGGates:
+        c = self.config
+        appearance, steps = self._static or (counter.appearance(), counter.steps_in_window)
+        return agg_gates(
+            appearance,
+            c.alpha,
+            steps=steps,
+            g1=c.agg_g1,
+            g2=c.agg_g2,
+            parts=c.agg_parts,
+            freeze_rare=c.agg_freeze_rare,
+        )
+
+
+__all__ = ["AGGPlugin"]

@@ -1,0 +1,1 @@
+"""The `heads` feature: its math and its plugin."""

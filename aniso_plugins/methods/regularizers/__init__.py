@@ -1,0 +1,1 @@
+"""The `regularizers` feature: its math and its plugin."""

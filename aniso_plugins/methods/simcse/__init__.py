@@ -1,0 +1,1 @@
+"""The `simcse` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""The `simctg` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""The `uniformity` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""Metrics, one package each: its math and its plugin."""

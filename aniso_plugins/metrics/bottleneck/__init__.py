@@ -1,0 +1,1 @@
+"""The `bottleneck` feature: its math and its plugin."""

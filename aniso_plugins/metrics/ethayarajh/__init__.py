@@ -1,0 +1,1 @@
+"""The `ethayarajh` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""The `evaluation` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""The `frequency` feature: its math and its plugin."""

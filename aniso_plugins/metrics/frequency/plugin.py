@@ -1,0 +1,92 @@
+"""Frequency groups: the geometry of the LM head within and between the rare / medium /
+frequent groups (Yu et al. 2022, the AGG paper, §3). The split is `aniso_plugins.metrics.frequency.groups`'s;
+the counts come from the shared `TargetCountsPlugin`, which `EvalPlugin` also reads for its
+per-group perplexity and Uniq.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from aniso_plugins.core.config import AnisoConfig
+from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.steps import StepInfo
+from aniso_plugins.metrics.frequency.groups import GROUPS, frequency_groups
+from aniso_plugins.metrics.frequency.target_counts import TargetCountsPlugin
+from aniso_plugins.metrics.geometry.stats import (
+    Spectrum,
+    cross_cosine_finish,
+    isotropy_finish,
+    isotropy_stats,
+    mean_cosine_finish,
+    mean_cosine_stats,
+    moment_stats,
+    moments,
+)
+from aniso_plugins.numerics.distributed import local_rows
+from aniso_plugins.numerics.reduce import Stat
+
+
+class FrequencyGroupsPlugin:
+    """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.metrics.geometry.stats.isotropy`)
+    and the mean pairwise cosine; and the mean cosine between the rare and the frequent rows
+    (AGG paper §3: "the average cosine similarity between the rare and frequent group
+    embeddings"). Groups come from the shared counter of training targets, `counts`.
+
+    Logged (train measurements): ``frequency/<group>/isotropy``, ``frequency/<group>/mean_cosine``
+    for group in rare, medium, frequent, and ``frequency/rare_frequent_cosine``."""
+
+    name = "frequency"
+
+    def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
+        self.config = config
+        self.counts = counts
+        self.model: ModelHandle | None = None
+        self._groups: torch.Tensor | None = None
+
+    @hookimpl
+    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        self.model = model
+
+    @hookimpl
+    def aniso_metric_stats(
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, Stat] | None:
+        if kind != "train" or round_index > 1:
+            return None
+        counter = self.counts.ready()
+        lr = local_rows(self.model.head_weight().detach())
+        if round_index == 0:
+            self._groups = frequency_groups(counter.counts, self.config.group_fractions)
+        mine = self._groups[lr.offset : lr.offset + lr.rows.shape[0]].to(lr.rows.device)
+        stats: dict[str, Stat] = {}
+        for index, group in enumerate(GROUPS):
+            prefix = f"frequency/{group}/"
+            rows = lr.rows[mine == index]
+            if round_index == 0:  # per group: Gram, row sum, count, unit-row sum
+                stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix)
+            else:  # round 1: the partition functions of I(W) from the group's eigenvectors
+                spec = Spectrum.from_moments(moments(reduced, prefix), center=False)
+                stats |= isotropy_stats(rows, spec.eigenvectors, prefix)
+        return stats
+
+    @hookimpl
+    def aniso_metrics(
+        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, float] | None:
+        if kind != "train":
+            return None
+        out: dict[str, float] = {}
+        for group in GROUPS:
+            prefix = f"frequency/{group}/"
+            out[prefix + "isotropy"] = isotropy_finish(reduced, prefix)
+            out[prefix + "mean_cosine"] = mean_cosine_finish(reduced, prefix)
+        out["frequency/rare_frequent_cosine"] = cross_cosine_finish(reduced, "frequency/rare/", "frequency/frequent/")
+        self._groups = None
+        return out
+
+
+__all__ = ["FrequencyGroupsPlugin"]

@@ -1,0 +1,1 @@
+"""The `geometry` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""The `hidden` feature: its math and its plugin."""

@@ -1,0 +1,1 @@
+"""Shared numerics: float64 linear algebra, reducible statistics, distributed rows."""

@@ -1,0 +1,77 @@
+"""Reducible statistics: what metric plugins return, and the one place they cross ranks.
+
+A plugin never calls a collective itself. It returns named `Stat`s computed on its local rows
+or its local micro-batches; `reduce_stats` combines all of them at once with one flat
+collective per (dtype, op): all_reduce SUM / MAX / MIN, or all_gather for LSE (the
+log-sum-exp of per-rank log-sum-exps, as Cut Cross-Entropy's ``vp_reduce_lse``).
+Without torch.distributed the statistics pass through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from aniso_plugins.numerics.distributed import is_distributed
+
+ReduceOp = Literal["sum", "max", "min", "lse"]
+
+
+class Stat(NamedTuple):
+    """A tensor and how to combine it across ranks.
+
+    sum: sums, counts, Gram matrices; max/min: extrema, unions of 0/1 masks (max);
+    lse: per-rank log-sum-exps, combined as ``log Σ_r exp(x_r)`` elementwise."""
+
+    value: torch.Tensor
+    op: ReduceOp = "sum"
+
+
+def _dist_op(op: str):
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+
+
+def reduce_stats(stats: Mapping[str, Stat], group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """Combine `stats` across the ranks of `group` (default: the world).
+
+    Every rank must call this with the same names, shapes, dtypes and ops, in any order.
+    Tensors are detached; each (dtype, op) class costs one collective on one flat buffer.
+    Returns name -> reduced tensor (same shape and dtype as given)."""
+    for name, stat in stats.items():
+        if not isinstance(stat, Stat):
+            raise TypeError(f"statistic {name!r} must be a Stat(value, op), got {type(stat).__name__}")
+        if stat.op not in ("sum", "max", "min", "lse"):
+            raise ValueError(f"statistic {name!r}: op must be sum, max, min or lse, got {stat.op!r}")
+    if not is_distributed():
+        return {name: stat.value.detach() for name, stat in stats.items()}
+
+    out: dict[str, torch.Tensor] = {}
+    classes: dict[tuple[torch.dtype, torch.device, str], list[str]] = {}
+    for name in sorted(stats):
+        v = stats[name].value
+        classes.setdefault((v.dtype, v.device, stats[name].op), []).append(name)
+    for (dtype, device, op), names in sorted(classes.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
+        flat = torch.cat([stats[n].value.detach().reshape(-1) for n in names]).to(dtype)
+        if op == "lse":
+            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, flat, group=group)
+            flat = torch.logsumexp(torch.stack(gathered), dim=0)
+        else:
+            if flat.dtype == torch.bool:
+                flat = flat.to(torch.uint8)
+                dist.all_reduce(flat, op=_dist_op(op), group=group)
+                flat = flat.bool()
+            else:
+                dist.all_reduce(flat, op=_dist_op(op), group=group)
+        i = 0
+        for n in names:
+            v = stats[n].value
+            out[n] = flat[i : i + v.numel()].reshape(v.shape)
+            i += v.numel()
+    return out
+
+
+__all__ = ["Stat", "ReduceOp", "reduce_stats"]

@@ -1,0 +1,1 @@
+"""The offline half: `aniso report`, post-processing transforms, the command line."""

@@ -1,0 +1,87 @@
+"""The ``aniso`` command (docs/report.md).
+
+    aniso report MODEL [MODEL ...] [--text-file FILE] [--out DIR] [--max-tokens N]
+                 [--postprocess centering,whitening] [--tensor NAME] [--quiet] [--json]
+
+A thin layer over `aniso_plugins.offline.report.analyze`: bad input is one line on stderr
+(``aniso report: error: ...``) and exit code 2; set ANISO_DEBUG=1 for the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aniso", description="Measure the embedding anisotropy of language models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser(
+        "report",
+        help="geometry report of one or several models (JSON, Markdown, PNG plots)",
+        description="Geometry report of one or several models, side by side: report.json, report.md and PNG plots.",
+    )
+    r.add_argument("models", nargs="+", metavar="MODEL",
+                   help="a local Hugging Face model directory (or checkpoint-N), or a safetensors file")
+    r.add_argument("--text-file", metavar="FILE", help="UTF-8 text for frequency groups, perplexity, layers, bottleneck")
+    r.add_argument("--counts-file", metavar="FILE",
+                   help="text (e.g. the training text) whose token counts define the frequency groups; default: --text-file")
+    r.add_argument("--out", metavar="DIR", default="aniso_report", help="output directory (default: ./aniso_report)")
+    r.add_argument("--max-tokens", metavar="N", type=int, default=100_000, help="tokens of the text used (default 100000)")
+    r.add_argument("--postprocess", metavar="LIST", default="",
+                   help="comma-separated transforms: centering, whitening, zca, all_but_the_top (abtt), "
+                   "rotation, hadamard")
+    r.add_argument("--tensor", metavar="NAME", action="append",
+                   help="safetensors tensor to report (repeatable); default: the embedding-like 2-D tensors")
+    r.add_argument("--gram-rows", metavar="M", type=int, default=None,
+                   help="rows sampled for the Gram-based metrics (default: exact unless 2·V·d² > 2e11 flops)")
+    r.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--json", action="store_true", help="also print report.json to stdout")
+    return p
+
+
+def _report(a: argparse.Namespace) -> int:
+    from aniso_plugins.offline.report import analyze
+
+    post = [x for x in (a.postprocess or "").split(",") if x.strip()]
+    report = analyze(
+        a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,
+        progress=not a.quiet, gram_rows=a.gram_rows, counts_file=a.counts_file,
+    )
+    paths = report.write(a.out, plots=not a.no_plots)
+    if a.json:
+        sys.stdout.write(report.to_json() + "\n")
+    if not a.quiet:
+        print(f"aniso report: wrote {len(paths)} files to {a.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "report":
+        from aniso_plugins.offline.report import ReportError
+
+        try:
+            return _report(args)
+        except ReportError as e:
+            print(f"aniso report: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("aniso report: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:  # anything unexpected: one line, no traceback (ANISO_DEBUG=1 shows it)
+            if os.environ.get("ANISO_DEBUG"):
+                raise
+            text = str(e).strip().splitlines()
+            print(f"aniso report: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
+            return EXIT_ERROR
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
