@@ -306,11 +306,6 @@ class AnisoRuntime:
                 f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
                 "from its config; untie with the model config's enable_weight_tying=False)"
             )
-        if config.uses("agg") and config.window is None:
-            raise ConfigError(
-                "window=None: AGG needs K, the optimizer steps its token counter remembers (the paper: one "
-                "epoch), and torchtitan's streaming data has no epoch length: pass --aniso.window K"
-            )
         model = trainer.model_parts[0]
         session = TrainingSession(config, owns_loss=True)
         if session.head_computes_loss and type(loss.loss_fn) is not CrossEntropyLoss:
@@ -322,10 +317,13 @@ class AnisoRuntime:
         self.trainer = trainer
         self.session = session
         session.setup(TitanModelHandle(model))
-        # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
-        session.begin_training(
-            start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps, loss_scale=1.0 / dp
-        )
+        try:  # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
+            session.begin_training(
+                start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps, loss_scale=1.0 / dp
+            )
+        except BaseException:
+            session.detach()  # a run that cannot begin leaves the model as it was
+            raise
         self.metrics = trainer.metrics_processor
         if isinstance(self.metrics, AnisoMetricsProcessor):
             self.metrics.runtime = self

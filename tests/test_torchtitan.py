@@ -164,6 +164,8 @@ def test_unsupported_setups_raise_before_training(trainer_kw, config_kw, error, 
     trainer = _fake_trainer(**trainer_kw)
     with pytest.raises(error, match=match):
         AnisoRuntime(trainer, AnisoConfig(metrics=(), **config_kw), SimpleNamespace(enable=False))
+    head = trainer.model_parts[0].lm_head
+    assert "forward" not in head.__dict__ and not head._forward_hooks  # nothing stays set up
 
 
 def test_checkpoint_state_round_trips_and_refuses_another_configuration():

@@ -11,7 +11,8 @@ collectives of their own inside a hook unless the spec says the hook is collecti
 
 Order of events (docs/design.md walks through each adapter)::
 
-    aniso_make_plugins -> aniso_setup -> aniso_begin_training [-> aniso_load_state_dict]
+    aniso_make_plugins -> aniso_head_computes_loss, aniso_supplies_loss (capabilities)
+    -> aniso_setup -> aniso_begin_training [-> aniso_load_state_dict]
     per optimizer step with A micro-batches:
         aniso_targets(m=0) forward [aniso_activation_loss_terms] backward ...
         aniso_targets(m=A-1) forward [aniso_activation_loss_terms] [aniso_loss_terms] backward
@@ -48,6 +49,22 @@ def aniso_make_plugins(config: AnisoConfig) -> list[object] | None:
     the ``aniso_plugins`` entry-point group and on the built-in `aniso_plugins.core.builtins`. Each returned
     object is registered and receives the other hooks. Read only the fields you own; raise
     `aniso_plugins.ConfigError` for a value you cannot honour."""
+
+
+@hookspec
+def aniso_head_computes_loss(owns_loss: bool) -> bool | None:
+    """Whether this plugin's LM head returns a training micro-batch's loss itself (normalized by
+    ``step.loss_normalizer``) instead of logits, as the fused AGG cross-entropy does. Asked once,
+    when the session is built; `owns_loss` says whether the adapter computes the loss itself
+    and so can take a loss from the head. Return True only then; raise
+    `aniso_plugins.ConfigError` for a configuration that needs it from an adapter that cannot."""
+
+
+@hookspec
+def aniso_supplies_loss() -> bool | None:
+    """Whether a training batch without labels can train on this plugin's loss terms alone (as
+    unsupervised SimCSE does): the adapter then backpropagates the session's
+    ``supplied_loss()`` instead of the model's loss."""
 
 
 @hookspec

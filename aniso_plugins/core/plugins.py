@@ -86,6 +86,14 @@ class AnisoPlugins:
         return bool(getattr(self.pm.hook, hook).get_hookimpls())
 
     # --- events -----------------------------------------------------------------------------
+    def head_computes_loss(self, owns_loss: bool) -> bool:
+        """Whether a plugin's head returns the training loss itself (`aniso_head_computes_loss`)."""
+        return any(self.pm.hook.aniso_head_computes_loss(owns_loss=owns_loss))
+
+    def supplies_loss(self) -> bool:
+        """Whether label-free batches train on the plugins' terms (`aniso_supplies_loss`)."""
+        return any(self.pm.hook.aniso_supplies_loss())
+
     def setup(self, model: ModelHandle) -> None:
         """Head surgery, probes and model-dependent checks; once, before the optimizer exists
         and the model is wrapped."""

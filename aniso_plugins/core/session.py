@@ -64,7 +64,8 @@ class TrainingSession:
 
     config / plugins: as for `AnisoPlugins`.
     owns_loss: whether the adapter computes the loss itself and so can let the LM head return
-        the fused AGG cross-entropy (``config.agg_fused``); others refuse that setting here.
+        it (`aniso_head_computes_loss`: the fused AGG cross-entropy); a plugin that needs that
+        from an adapter that does not refuses here.
     """
 
     def __init__(
@@ -74,14 +75,11 @@ class TrainingSession:
         *,
         owns_loss: bool = False,
     ) -> None:
-        if config is not None and config.uses("agg") and config.agg_fused and not owns_loss:
-            raise ConfigError(
-                "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
-                "run (it does in the torchtitan adapter); AGG runs as the gated LM head here: agg_fused=False"
-            )
         self.plugins = AnisoPlugins(config, plugins)
         self.config = self.plugins.config
         self.owns_loss = owns_loss
+        self._head_computes_loss = self.plugins.head_computes_loss(owns_loss)
+        self._supplies_loss = self.plugins.supplies_loss()
         self.handle: ModelHandle | None = None
         self.run: RunInfo | None = None
         self._loss_scale = 1.0
@@ -101,18 +99,18 @@ class TrainingSession:
     # --- what the adapter asks ----------------------------------------------------------------
     @property
     def head_computes_loss(self) -> bool:
-        """Whether the LM head returns a training micro-batch's loss itself (the fused AGG
-        cross-entropy, normalized by the micro-batch's ``loss_normalizer``) instead of logits:
-        only for an adapter that owns the loss and ``config.agg_fused``."""
-        return self.owns_loss and self.config.uses("agg") and self.config.agg_fused
+        """Whether the LM head returns a training micro-batch's loss itself (normalized by the
+        micro-batch's ``loss_normalizer``) instead of logits: a plugin says so
+        (`aniso_head_computes_loss`), and only to an adapter that owns the loss."""
+        return self._head_computes_loss
 
     @property
     def supplies_loss(self) -> bool:
-        """Whether a training batch without labels is trained on the plugins' loss terms alone
-        (``method`` includes "simcse": unsupervised SimCSE has no token loss); the adapter then
-        announces it with ``begin_micro_batch(..., supplies_loss=True)``, runs the forward and
-        backpropagates `supplied_loss()` instead of the model's loss."""
-        return self.config.uses("simcse")
+        """Whether a training batch without labels is trained on the plugins' loss terms alone (a
+        plugin says so, `aniso_supplies_loss`: unsupervised SimCSE has no token loss); the
+        adapter then announces it with ``begin_micro_batch(..., supplies_loss=True)``, runs the
+        forward and backpropagates `supplied_loss()` instead of the model's loss."""
+        return self._supplies_loss
 
     @property
     def wants_eval_batches(self) -> bool:
@@ -243,7 +241,7 @@ class TrainingSession:
         if supplies_loss and not self.supplies_loss:
             raise ConfigError(
                 f"a training batch without labels: method={self.config.method} has no loss of its own to train on "
-                "(only 'simcse' does); give the batches labels"
+                "(no plugin supplies one, as 'simcse' does); give the batches labels"
             )
         self._micro_batch += 1
         self._current = info

@@ -58,6 +58,17 @@ class AGGPlugin:
 
     # --- hooks --------------------------------------------------------------------------------
     @hookimpl
+    def aniso_head_computes_loss(self, owns_loss: bool) -> bool:
+        """``agg_fused``: the head returns the fused chunked AGG cross-entropy, never the logits,
+        which only an adapter that computes the loss itself can take."""
+        if self.config.agg_fused and not owns_loss:
+            raise ConfigError(
+                "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
+                "run (it does in the torchtitan adapter); AGG runs as the gated LM head here: agg_fused=False"
+            )
+        return self.config.agg_fused
+
+    @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
         vocab = model.vocab_size
         bad = [i for i in config.special_ids if i >= vocab]
@@ -78,7 +89,8 @@ class AGGPlugin:
         if window is None:
             raise ConfigError(
                 "window=None: AGG needs the token-counter window K (optimizer steps remembered; the paper "
-                "uses one epoch) and the trainer did not report its steps per epoch: set AnisoConfig(window=...)"
+                "uses one epoch) and the trainer did not report its steps per epoch (streaming data): set "
+                "AnisoConfig(window=K), in torchtitan --aniso.window K"
             )
         if self.counter is not None and self.counter.window == window:
             return  # training again with the same window: keep the counts

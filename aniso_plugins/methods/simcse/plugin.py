@@ -56,6 +56,11 @@ class SimCSEPlugin:
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # last measured pairs, detached
 
     @hookimpl
+    def aniso_supplies_loss(self) -> bool:
+        """Unsupervised SimCSE has no token loss: a batch without MLM labels trains on InfoNCE alone."""
+        return True
+
+    @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
         blocks = model.blocks()
         if not blocks:
