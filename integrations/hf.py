@@ -118,6 +118,7 @@ class AnisoCallback(TrainerCallback):
         self._measure_next = False
         self._supplying = False
         self._wrappers: dict[str, Any] = {}
+        self._owned = False  # built by AnisoTrainerMixin: its class methods do what _wrap does
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
@@ -135,7 +136,8 @@ class AnisoCallback(TrainerCallback):
         flow = [i for i, cb in enumerate(handler.callbacks) if isinstance(cb, DefaultFlowCallback)]
         handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
         try:
-            self._wrap(trainer)
+            if not self._owned:
+                self._wrap(trainer)
             if self.session.handle is None:
                 self._set_up(trainer.model)
         except BaseException:
@@ -205,34 +207,26 @@ class AnisoCallback(TrainerCallback):
             trainer.callback_handler.callbacks.remove(self)
 
     def _wrap(self, trainer: Trainer) -> None:
+        """The callback route: the Trainer's methods wrapped on the instance (`AnisoTrainerMixin`
+        overrides them in its class instead); both call the same methods below."""
         training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
         compute_loss, model_init = trainer.compute_loss, trainer.model_init
 
         def training_step_with_targets(model, inputs, num_items_in_batch=None):
-            self._begin_micro_batch(inputs)
+            self.before_training_step(inputs)
             return training_step(model, inputs, num_items_in_batch)
 
         def compute_loss_or_supplied(model, inputs, return_outputs=False, num_items_in_batch=None):
-            if not (model.training and self._supplying):
-                return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-            # a batch without labels under SimCSE: the plugins' terms are the whole loss
-            outputs = model(**inputs)
-            loss = self.session.supplied_loss()
-            if _trainer_divides_by_accumulation(trainer, num_items_in_batch):
-                loss = loss * trainer.current_gradient_accumulation_steps  # logged as the step's term
-            return (loss, outputs) if return_outputs else loss
+            if self.supplying(model):
+                return self.supplied_loss(trainer, model, inputs, return_outputs, num_items_in_batch)
+            return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
         def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
-            targets = self._rule.read(inputs, self.config.ignore_index).targets if self._rule is not None else None
-            with self.session.evaluating(targets), self._generation_not_evaluated(trainer):
+            with self.predicting(trainer, inputs):
                 return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
 
         def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
-            ckpt = resume_from_checkpoint
-            if isinstance(ckpt, bool):
-                ckpt = newest_complete_checkpoint(trainer.args.output_dir) if ckpt else None
-            self._resume_dir = ckpt
-            return train(ckpt, *args, **kwargs)
+            return train(self.resume_checkpoint(trainer, resume_from_checkpoint), *args, **kwargs)
 
         wrappers: dict[str, tuple[Callable, Callable | None]] = {
             "training_step": (training_step_with_targets, None),
@@ -246,6 +240,41 @@ class AnisoCallback(TrainerCallback):
         self._wrappers = wrappers
         for name, (wrapper, _) in wrappers.items():
             setattr(trainer, name, wrapper)
+
+    # --- what both routes call (the callback's wrappers, AnisoTrainerMixin's overrides) -----------
+    def before_training_step(self, inputs: dict[str, Any]) -> None:
+        """A training micro-batch is about to run: announce its targets to the session."""
+        self._begin_micro_batch(inputs)
+
+    def supplying(self, model: nn.Module) -> bool:
+        """Whether this training micro-batch trains on the plugins' supplied loss (label-free)."""
+        return model.training and self._supplying
+
+    def supplied_loss(self, trainer: Trainer, model: nn.Module, inputs, return_outputs=False, num_items_in_batch=None):
+        """`Trainer.compute_loss` for a label-free batch: the forward, then the session's
+        supplied loss (logged as the step's term)."""
+        outputs = model(**inputs)
+        loss = self.session.supplied_loss()
+        if _trainer_divides_by_accumulation(trainer, num_items_in_batch):
+            loss = loss * trainer.current_gradient_accumulation_steps
+        return (loss, outputs) if return_outputs else loss
+
+    @contextlib.contextmanager
+    def predicting(self, trainer: Trainer, inputs: dict[str, Any]) -> Iterator[None]:
+        """Around ``Trainer.prediction_step``: its logits are evaluation logits for the batch's
+        targets (not those of ``generate()`` under ``predict_with_generate``)."""
+        targets = self._rule.read(inputs, self.config.ignore_index).targets if self._rule is not None else None
+        with self.session.evaluating(targets), self._generation_not_evaluated(trainer):
+            yield
+
+    def resume_checkpoint(self, trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | None:
+        """The checkpoint ``train(resume_from_checkpoint=...)`` resumes from (True: the newest
+        complete one), remembered to restore the plugins' state from it."""
+        ckpt = resume_from_checkpoint
+        if isinstance(ckpt, bool):
+            ckpt = newest_complete_checkpoint(trainer.args.output_dir) if ckpt else None
+        self._resume_dir = ckpt
+        return ckpt
 
     @contextlib.contextmanager
     def _generation_not_evaluated(self, trainer: Trainer) -> Iterator[None]:
@@ -298,6 +327,8 @@ class AnisoCallback(TrainerCallback):
 
     # --- trainer events ---------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        if self._owned:
+            return  # AnisoTrainerMixin attaches it once Trainer.__init__ has succeeded
         trainer = _constructing_trainer()
         if trainer is None:
             logger.warning(
@@ -395,6 +426,58 @@ class AnisoCallback(TrainerCallback):
             self.session.save(directory)
 
 
+class AnisoTrainerMixin:
+    """The route transformers documents for changing the training loop, a `Trainer` subclass:
+    ``class MyTrainer(AnisoTrainerMixin, Seq2SeqTrainer): ...`` or `AnisoTrainer`. It takes
+    ``aniso=AnisoConfig(...)`` (and ``aniso_plugins=``, ``aniso_targets=``, as
+    `AnisoCallback`'s ``plugins`` and ``targets``) and does exactly what the callback does,
+    through the callback's own methods, but overrides ``training_step``, ``compute_loss``,
+    ``prediction_step``, ``train`` and ``call_model_init`` in the class (nothing is replaced on
+    the instance, no call stack is read) and sets up once ``Trainer.__init__`` has returned.
+    ``self.aniso`` is its `AnisoCallback` (``self.aniso.session``, ``self.aniso.detach()``)."""
+
+    def __init__(
+        self,
+        *args: Any,
+        aniso: AnisoConfig | None = None,
+        aniso_plugins: Iterable[object] = (),
+        aniso_targets: Callable[[Any], torch.Tensor] | str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.aniso = AnisoCallback(aniso, aniso_plugins, targets=aniso_targets)
+        self.aniso._owned = True
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.aniso]
+        super().__init__(*args, **kwargs)
+        self.aniso.attach(self)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.aniso.before_training_step(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.aniso.supplying(model):
+            return self.aniso.supplied_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        with self.aniso.predicting(self, inputs):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        return super().train(self.aniso.resume_checkpoint(self, resume_from_checkpoint), *args, **kwargs)
+
+    def call_model_init(self, trial=None):
+        model = super().call_model_init(trial)
+        if self.aniso.trainer is self:  # a model built by train(): set up before its optimizer exists
+            self.aniso._set_up(model)
+        return model
+
+
+class AnisoTrainer(AnisoTrainerMixin, Trainer):
+    """`transformers.Trainer` with aniso_plugins: ``AnisoTrainer(model=..., args=...,
+    train_dataset=..., aniso=AnisoConfig(method="agg"))``; see `AnisoTrainerMixin`."""
+
+
 _WRAPPED = ("training_step", "prediction_step", "train", "compute_loss")
 """Trainer methods the callback wraps on the instance (and refuses to wrap twice)."""
 
@@ -463,4 +546,4 @@ def newest_complete_checkpoint(output_dir: str) -> str | None:
     return best
 
 
-__all__ = ["AnisoCallback", "hf_handle", "newest_complete_checkpoint"]
+__all__ = ["AnisoCallback", "AnisoTrainer", "AnisoTrainerMixin", "hf_handle", "newest_complete_checkpoint"]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import RunInfo, StepInfo
 from aniso_plugins.methods.agg.counter import SlidingTokenCounter
 from aniso_plugins.methods.agg.gates import AGGGates, agg_gates
@@ -33,7 +34,7 @@ NAMESPACE = "agg"
 logger = logging.getLogger("aniso_plugins")
 
 
-class AGGPlugin:
+class AGGPlugin(Plugin):
     """AGG (Yu et al., ACL 2022) as a plugin; reads ``alpha``, ``window``, ``special_ids``,
     ``ignore_index`` and the ``agg_*`` ablations of `AnisoConfig`.
 
@@ -46,10 +47,9 @@ class AGGPlugin:
     name = "agg"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.process_group: dist.ProcessGroup | None = None
         self.head: AGGForward | None = None
-        self.model: ModelHandle | None = None
         self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
         self.last_gates: AGGGates | None = None
@@ -68,8 +68,8 @@ class AGGPlugin:
             )
         return self.config.agg_fused
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
+        config = self.config
         vocab = model.vocab_size
         bad = [i for i in config.special_ids if i >= vocab]
         if bad:
@@ -77,7 +77,6 @@ class AGGPlugin:
         model.require_trainable_head("method='agg'")
         head = model.head()
         check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
-        self.model = model
         self.vocab_size = vocab
         self.head = AGGForward(head, ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
         model.on_restore(self.head.remove)
@@ -145,11 +144,10 @@ class AGGPlugin:
             self._static = (counter.appearance(), counter.steps_in_window)
         counter.step()
 
-    @hookimpl
-    def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         # Counts are summed across ranks in aniso_targets, so these are identical on every rank
         # and need no reduction.
-        if kind != "train" or self.last_gates is None:
+        if self.last_gates is None:
             return None
         gates = self.last_gates
         rare = gates.rare

@@ -22,10 +22,11 @@ from __future__ import annotations
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.methods.heads.lowrank import LowRankHead
 
 
-class HeadSurgeryPlugin:
+class HeadSurgeryPlugin(Plugin):
     """Untied or low-rank LM head, set up before any other plugin (see the module docstring)."""
 
     name = "head"
@@ -33,10 +34,15 @@ class HeadSurgeryPlugin:
     def __init__(self, config: AnisoConfig) -> None:
         if config.head not in ("untie", "lowrank"):
             raise ConfigError(f"head={config.head!r}: HeadSurgeryPlugin handles 'untie' and 'lowrank'")
-        self.config = config
+        super().__init__(config)
 
     @hookimpl(tryfirst=True)
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        """The base's set-up, declared again to run before the other plugins' (``tryfirst``)."""
+        Plugin.aniso_setup(self, model, config)
+
+    def setup(self, model: ModelHandle) -> None:
+        config = self.config
         model.require_trainable_head(f"head={config.head!r}")
         if config.head == "untie":
             model.untie()

@@ -21,13 +21,14 @@ import torch
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
 
 REGULARIZERS = ("cosreg", "hinge", "spectrum")
 
 
-class RegularizerPlugin:
+class RegularizerPlugin(Plugin):
     """Adds ``config.reg_weight · R(W)`` for R = `cosreg` (reg_exclude_ids), `cosine_hinge`
     (hinge_margin, hinge_block, hinge_sample, reg_exclude_ids) or `spectrum_penalty`
     (spectrum_prior, spectrum_c1, spectrum_c2, spectrum_gamma).
@@ -41,14 +42,13 @@ class RegularizerPlugin:
         chosen = [m for m in config.method if m in REGULARIZERS]
         if len(chosen) != 1:
             raise ConfigError(f"method={config.method!r}: RegularizerPlugin runs exactly one of {', '.join(REGULARIZERS)}")
+        super().__init__(config)
         self.name = self.method = chosen[0]
-        self.config = config
-        self.model: ModelHandle | None = None
         self.c1: float | None = config.spectrum_c1
         self.last_value: float | None = None
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
+        config = self.config
         if self.method == "spectrum" and config.head == "lowrank":
             raise SetupError(
                 "method='spectrum' with head='lowrank': a rank-r head has σ_k = 0 for k > r, where the "
@@ -60,7 +60,6 @@ class RegularizerPlugin:
                 f"reg_exclude_ids={config.reg_exclude_ids!r}: ids {bad} are >= the vocabulary size {model.vocab_size}"
             )
         model.require_trainable_head(f"method={self.method!r}")
-        self.model = model
 
     def penalty(self, weight: torch.Tensor, step: StepInfo) -> torch.Tensor:
         """The unweighted R(W) of the configured method for this call."""
@@ -85,8 +84,6 @@ class RegularizerPlugin:
 
     @hookimpl
     def aniso_loss_terms(self, step: StepInfo) -> dict[str, torch.Tensor]:
-        if self.model is None:
-            raise RuntimeError(f"{self.name}: aniso_loss_terms before aniso_setup (the adapter must call setup first)")
         value = self.penalty(self.model.head().weight, step)
         self.last_value = float(value.detach())
         term = self.config.reg_weight * value
@@ -94,9 +91,8 @@ class RegularizerPlugin:
             term = term / step.accumulation_steps
         return {self.name: term}
 
-    @hookimpl
-    def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
-        if kind != "train" or self.last_value is None:
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        if self.last_value is None:
             return None
         return {f"{self.name}/value": self.last_value}
 

@@ -31,6 +31,7 @@ import torch
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.simcse.contrastive import info_nce, pool
 from aniso_plugins.methods.uniformity.kernels import alignment, uniformity
@@ -42,15 +43,14 @@ logger = logging.getLogger("aniso_plugins")
 _FIX = "batch the sentences with aniso_plugins.SimCSECollator(base_collator), which puts each one in rows 2i and 2i + 1"
 
 
-class SimCSEPlugin:
+class SimCSEPlugin(Plugin):
     """Adds ``config.simcse_weight · InfoNCE`` of the micro-batch's sentence pairs on every
     training micro-batch, and logs the alignment and uniformity of the pooled embeddings."""
 
     name = "simcse"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
-        self.model: ModelHandle | None = None
+        super().__init__(config)
         self._want = False  # between a micro-batch's aniso_targets and its loss term
         self._output: torch.Tensor | None = None  # the last block's output of that micro-batch
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # last measured pairs, detached
@@ -60,8 +60,7 @@ class SimCSEPlugin:
         """Unsupervised SimCSE has no token loss: a batch without MLM labels trains on InfoNCE alone."""
         return True
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
         blocks = model.blocks()
         if not blocks:
             raise SetupError(
@@ -70,7 +69,6 @@ class SimCSEPlugin:
             )
         handle = blocks[-1].register_forward_hook(self._keep)
         model.on_restore(handle.remove)
-        self.model = model
 
     def _keep(self, module: torch.nn.Module, args, output) -> None:
         if not (self._want and module.training and torch.is_grad_enabled()):
@@ -142,14 +140,9 @@ class SimCSEPlugin:
         )
         return {self.name: share}
 
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or round_index > 0:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if round_index > 0:
             return None
-        if self.model is None:
-            raise RuntimeError("SimCSEPlugin: aniso_setup(model, config) must run first")
         views, self._views = self._views, None
         device = self.model.head().weight.device  # one device class on every rank, measured or not
         zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -165,9 +158,8 @@ class SimCSEPlugin:
             "simcse/uniform_pairs": Stat(zero + (n * (n - 1))),
         }
 
-    @hookimpl
-    def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
-        if kind != "train" or "simcse/align_n" not in reduced:
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        if "simcse/align_n" not in reduced:
             return None
         n, pairs = float(reduced["simcse/align_n"]), float(reduced["simcse/uniform_pairs"])
         out = {

@@ -19,12 +19,13 @@ import torch.distributed as dist
 
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.simctg.loss import simctg_pair_count, simctg_pair_sums
 from aniso_plugins.numerics.distributed import is_distributed
 
 
-class SimCTGPlugin:
+class SimCTGPlugin(Plugin):
     """Adds ``config.simctg_weight · L_CL`` (margin ``simctg_margin``, ``simctg_block`` query
     positions per block) on every training micro-batch; positions whose target is
     ``config.ignore_index`` (padding, the last position of a causal LM) take no part, and in a
@@ -33,7 +34,7 @@ class SimCTGPlugin:
     name = "simctg"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self._pair_count: torch.Tensor | None = None  # the current micro-batch's, over all ranks
 
     @hookimpl

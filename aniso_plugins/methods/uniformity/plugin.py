@@ -44,6 +44,7 @@ from torch import nn
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.uniformity.kernels import row_uniformity, uniformity_finish, uniformity_stats
@@ -56,7 +57,7 @@ HEAD_PREFIX = "uniformity/head/"
 HIDDEN_PREFIX = "uniformity/hidden/"
 
 
-class UniformityPlugin:
+class UniformityPlugin(Plugin):
     """The uniformity regularizer of the head rows and / or the micro-batches' hidden states."""
 
     name = "uniformity"
@@ -66,11 +67,10 @@ class UniformityPlugin:
             raise ConfigError(
                 f"method={config.method!r}: UniformityPlugin runs only with 'uniformity' among the methods"
             )
-        self.config = config
-        self.model: ModelHandle | None = None
+        super().__init__(config)
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
+        config = self.config
         bad = [i for i in config.reg_exclude_ids if i >= model.vocab_size]
         if bad and "head" in config.uniformity_on:
             raise ConfigError(
@@ -78,7 +78,6 @@ class UniformityPlugin:
             )
         if "head" in config.uniformity_on:
             model.require_trainable_head("method='uniformity' on the head rows")
-        self.model = model
 
     def head_value(self, weight: torch.Tensor, step: StepInfo) -> torch.Tensor:
         """The unweighted L_uniform of the head rows for this call (sampled rows seeded from
@@ -100,8 +99,6 @@ class UniformityPlugin:
     def aniso_loss_terms(self, step: StepInfo) -> dict[str, torch.Tensor] | None:
         if "head" not in self.config.uniformity_on:
             return None
-        if self.model is None:
-            raise RuntimeError("uniformity: aniso_loss_terms before aniso_setup (the adapter must call setup first)")
         term = self.config.uniformity_weight * self.head_value(self.model.head().weight, step)
         if self.config.reg_every_microbatch:
             term = term / step.accumulation_steps
@@ -125,14 +122,13 @@ class UniformityPlugin:
         return {HIDDEN_TERM: value * (self.config.uniformity_weight / (world * step.accumulation_steps))}
 
 
-class UniformityMetricPlugin:
+class UniformityMetricPlugin(Plugin):
     """L_uniform of sampled head rows and of the measurement micro-batch's head inputs."""
 
     name = "uniformity_metric"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
-        self.model: ModelHandle | None = None
+        super().__init__(config)
         self._armed = False
         self._targets: torch.Tensor | None = None
         self._head_calls = 1
@@ -140,11 +136,9 @@ class UniformityMetricPlugin:
         self._generator: torch.Generator | None = None
         self._warned: set[str] = set()
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
         handle = model.head().register_forward_pre_hook(self._capture)
         model.on_restore(handle.remove)
-        self.model = model
         self._generator = torch.Generator().manual_seed(rank_and_world()[0])
 
     @hookimpl
@@ -188,14 +182,9 @@ class UniformityMetricPlugin:
         buffer[mine] = weight.rows[own[mine]].to(torch.float64)
         return buffer
 
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or round_index > 1:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if round_index > 1:
             return None
-        if self.model is None:
-            raise RuntimeError("UniformityMetricPlugin: aniso_setup(model, config) must run first")
         cfg = self.config
         if round_index == 0:
             hidden = self._hidden
@@ -209,11 +198,8 @@ class UniformityMetricPlugin:
         lo, hi = chunk_bounds(len(rows), rank, world)
         return uniformity_stats(rows, cfg.uniformity_t, HEAD_PREFIX, cfg.uniformity_block, slice(lo, hi))
 
-    @hookimpl
-    def aniso_metrics(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, float] | None:
-        if kind != "train" or HEAD_PREFIX + "pairs" not in reduced:
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        if HEAD_PREFIX + "pairs" not in reduced:
             return None
         self._hidden = None
         out = {"uniformity/head": uniformity_finish(reduced, HEAD_PREFIX)}

@@ -48,6 +48,7 @@ from torch import nn
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.heads.lowrank import LowRankHead
@@ -83,12 +84,13 @@ def _head_factors(module: nn.Module) -> tuple[torch.Tensor, ...] | None:
     return tuple(f.detach() for f in factors)
 
 
-class BottleneckPlugin:
+class BottleneckPlugin(Plugin):
     """Probe of the LM-head gradient bottleneck on one micro-batch per probe step."""
 
     name = "bottleneck"
 
     def __init__(self, config: AnisoConfig) -> None:
+        super().__init__(config)
         self.every = config.bottleneck_every or config.metrics_every
         self.ignore_index = config.ignore_index
         self.efficiency = config.update_efficiency
@@ -109,8 +111,7 @@ class BottleneckPlugin:
         self._efficiency: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._warned: set[str] = set()
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
         head = model.head()
         self.vocab_size = model.vocab_size
         self.handles = [head.register_forward_pre_hook(self._pre_forward), head.register_forward_hook(self._forward)]
@@ -225,11 +226,8 @@ class BottleneckPlugin:
             self._warned.add(key)
             logger.warning(message, *args)
 
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or self._probe is None:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if self._probe is None:
             return None
         gram, dh, grad_sq = self._probe
         if round_index == 0:  # the head's WᵀW, summed over the ranks' rows; update-efficiency norms
@@ -244,11 +242,8 @@ class BottleneckPlugin:
             return stats
         return None
 
-    @hookimpl
-    def aniso_metrics(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, float] | None:
-        if kind != "train" or self._probe is None:
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        if self._probe is None:
             return None
         self._probe = self._efficiency = None
         out = {PREFIX + name: value for name, value in bottleneck_finish(reduced, PREFIX).items()}

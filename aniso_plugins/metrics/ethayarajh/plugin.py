@@ -31,6 +31,7 @@ import torch
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.ethayarajh.stats import (
@@ -48,14 +49,13 @@ from aniso_plugins.numerics.reduce import Stat, reduce_stats
 PREFIX = "ethayarajh/"
 
 
-class EthayarajhPlugin:
+class EthayarajhPlugin(Plugin):
     """Self-similarity and intra-sentence similarity of each block's output, per layer."""
 
     name = "ethayarajh"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
-        self.model: ModelHandle | None = None
+        super().__init__(config)
         self.layers = 0
         self._active = False
         self._positions: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # ids, counted, sentences
@@ -64,18 +64,14 @@ class EthayarajhPlugin:
         self._stats: dict[int, dict[str, Stat]] = {}
         self._warned: set[str] = set()
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
         self.layers = model.hook_blocks(self._hook, "EthayarajhPlugin ('ethayarajh' in metrics)")
-        self.model = model
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
         self._active = step.measure and step.micro_batch == 0
         if not self._active:
             return
-        if self.model is None:
-            raise RuntimeError("EthayarajhPlugin: aniso_setup(model, config) must run first")
         input_ids = step.input_ids
         if input_ids is not None and tuple(input_ids.shape) != tuple(targets.shape):
             self._warn_once(
@@ -124,14 +120,9 @@ class EthayarajhPlugin:
 
         return hook
 
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or round_index > 0:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if round_index > 0:
             return None
-        if self.model is None:
-            raise RuntimeError("EthayarajhPlugin: aniso_setup(model, config) must run first")
         words = self._words if self._words is not None else choose_words(torch.zeros(0, dtype=torch.int64), 1)
         device = self.model.head().weight.device
         stats: dict[str, Stat] = {}
@@ -140,10 +131,7 @@ class EthayarajhPlugin:
             stats |= self._stats.get(i) or empty_layer_stats(words, self.model.hidden_size, device, prefix)
         return stats
 
-    @hookimpl
-    def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
-        if kind != "train":
-            return None
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         out: dict[str, float] = {}
         for i in range(self.layers):
             prefix = f"{PREFIX}layer_{i}/"

@@ -22,6 +22,7 @@ import torch
 
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.frequency.groups import GROUPS, frequency_groups
 from aniso_plugins.metrics.frequency.target_counts import TargetCountsPlugin
@@ -29,15 +30,16 @@ from aniso_plugins.numerics.linalg import ROW_BLOCK
 from aniso_plugins.numerics.reduce import Stat
 
 
-class EvalPlugin:
+class EvalPlugin(Plugin):
     """Accumulates per-target-id NLL sums and counts and the set of argmax predictions over the
     evaluation batches (`aniso_eval_batch`), finishes them at ``aniso_metrics(kind="eval")`` and
-    resets."""
+    resets. It measures the "eval" kind, so it declares `aniso_metric_stats` and `aniso_metrics`
+    itself (the base's train measurement does not apply)."""
 
     name = "eval"
 
     def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
-        self.config = config
+        super().__init__(config)
         self.counts = counts
         self._nll: torch.Tensor | None = None
         self._tokens: torch.Tensor | None = None

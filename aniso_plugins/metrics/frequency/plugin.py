@@ -11,8 +11,7 @@ from collections.abc import Mapping
 import torch
 
 from aniso_plugins.core.config import AnisoConfig
-from aniso_plugins.core.hookspecs import hookimpl
-from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.frequency.groups import GROUPS, frequency_groups
 from aniso_plugins.metrics.frequency.target_counts import TargetCountsPlugin
@@ -30,7 +29,7 @@ from aniso_plugins.numerics.distributed import local_rows
 from aniso_plugins.numerics.reduce import Stat
 
 
-class FrequencyGroupsPlugin:
+class FrequencyGroupsPlugin(Plugin):
     """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.metrics.geometry.stats.isotropy`)
     and the mean pairwise cosine; and the mean cosine between the rare and the frequent rows
     (AGG paper §3: "the average cosine similarity between the rare and frequent group
@@ -42,20 +41,12 @@ class FrequencyGroupsPlugin:
     name = "frequency"
 
     def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
-        self.config = config
+        super().__init__(config)
         self.counts = counts
-        self.model: ModelHandle | None = None
         self._groups: torch.Tensor | None = None
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        self.model = model
-
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or round_index > 1:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if round_index > 1:
             return None
         counter = self.counts.ready()
         lr = local_rows(self.model.head_weight().detach())
@@ -73,12 +64,7 @@ class FrequencyGroupsPlugin:
                 stats |= isotropy_stats(rows, spec.eigenvectors, prefix)
         return stats
 
-    @hookimpl
-    def aniso_metrics(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, float] | None:
-        if kind != "train":
-            return None
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         out: dict[str, float] = {}
         for group in GROUPS:
             prefix = f"frequency/{group}/"

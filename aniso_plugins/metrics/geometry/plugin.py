@@ -26,8 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from aniso_plugins.core.config import AnisoConfig
-from aniso_plugins.core.hookspecs import hookimpl
-from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.geometry.isoscore import isoscore_from_variances
@@ -46,37 +45,27 @@ from aniso_plugins.metrics.geometry.stats import (
 from aniso_plugins.numerics.reduce import Stat
 
 
-class GeometryPlugin:
+class GeometryPlugin(Plugin):
     """Geometry metrics of the head's weight and, when untied, of the input embedding's."""
 
     name = "geometry"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
-        self.model: ModelHandle | None = None
+        super().__init__(config)
         self._spectra: dict[str, tuple[Spectrum, Spectrum]] = {}
         self._warned: set[str] = set()
-
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
-        self.model = model
 
     def matrices(self) -> dict[str, torch.Tensor]:
         """The matrices measured: ``head`` always, ``embedding`` when the model has an input
         embedding that is not tied to the head."""
-        if self.model is None:
-            raise RuntimeError("GeometryPlugin: aniso_setup(model, config) must run first")
         out = {"head": self.model.head_weight()}
         embedding = self.model.input_embedding()
         if embedding is not None and not self.model.tied():
             out["embedding"] = getattr(embedding, "weight", None)
         return out
 
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or round_index > 1:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if round_index > 1:
             return None
         stats: dict[str, Stat] = {}
         for name, weight in self.matrices().items():
@@ -96,11 +85,8 @@ class GeometryPlugin:
             stats |= mean_cosine_stats(rows, prefix + "centered/", mean=mu)
         return stats or None
 
-    @hookimpl
-    def aniso_metrics(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, float] | None:
-        if kind != "train" or not self._spectra:
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        if not self._spectra:
             return None
         out: dict[str, float] = {}
         for name, (raw, centered) in self._spectra.items():

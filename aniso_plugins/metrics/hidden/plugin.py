@@ -28,31 +28,29 @@ import torch
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.geometry.stats import mean_cosine_finish, mean_cosine_stats
 from aniso_plugins.numerics.distributed import rank_and_world
 from aniso_plugins.numerics.reduce import Stat
 
 
-class HiddenStatesPlugin:
+class HiddenStatesPlugin(Plugin):
     """Mean cosine between randomly sampled token representations after each block."""
 
     name = "hidden"
 
     def __init__(self, config: AnisoConfig) -> None:
-        self.config = config
+        super().__init__(config)
         self.layers = 0
-        self.model: ModelHandle | None = None
         self._active = False
         self._targets: torch.Tensor | None = None
         self._done: set[int] = set()
         self._stats: dict[int, dict[str, Stat]] = {}
         self._generator: torch.Generator | None = None
 
-    @hookimpl
-    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+    def setup(self, model: ModelHandle) -> None:
         self.layers = model.hook_blocks(self._hook, "HiddenStatesPlugin ('hidden' in metrics)")
-        self.model = model
         self._generator = torch.Generator().manual_seed(rank_and_world()[0])
 
     @hookimpl
@@ -86,14 +84,9 @@ class HiddenStatesPlugin:
 
         return hook
 
-    @hookimpl
-    def aniso_metric_stats(
-        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, Stat] | None:
-        if kind != "train" or round_index > 0:
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        if round_index > 0:
             return None
-        if self.model is None:
-            raise RuntimeError("HiddenStatesPlugin: aniso_setup(model, config) must run first")
         stats: dict[str, Stat] = {}
         device = self.model.head().weight.device
         for i in range(self.layers):
@@ -102,12 +95,7 @@ class HiddenStatesPlugin:
             )
         return stats
 
-    @hookimpl
-    def aniso_metrics(
-        self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]
-    ) -> dict[str, float] | None:
-        if kind != "train":
-            return None
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         layers = range(self.layers)
         out = {f"hidden/layer_{i}/mean_cosine": mean_cosine_finish(reduced, f"hidden/layer_{i}/") for i in layers}
         self._stats = {}

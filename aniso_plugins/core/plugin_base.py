@@ -1,0 +1,82 @@
+"""`Plugin`, the base of the built-in plugins: what every one of them repeated (the configuration,
+the model handle from set-up, the guard that keeps the training measurement away from
+evaluation) written once. pluggy registers hook implementations a class inherits, so a
+subclass overrides the plain methods below, not the hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from aniso_plugins.core.config import AnisoConfig
+from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.steps import StepInfo
+from aniso_plugins.numerics.reduce import Stat
+
+
+class Plugin:
+    """A plugin with ``self.config``, ``self.model`` (the `ModelHandle` of `aniso_setup`; reading
+    it before set-up raises a `RuntimeError` naming the class) and the train measurement.
+
+    Override `setup` (called by `aniso_setup`), `train_stats` (the rounds of
+    `aniso_metric_stats` with ``kind == "train"``) and `train_metrics` (`aniso_metrics` with
+    ``kind == "train"``); evaluation measurements never reach them. A plugin that needs other
+    hook options (``tryfirst``) or measures evaluation declares that hook itself."""
+
+    name = ""
+
+    def __init__(self, config: AnisoConfig) -> None:
+        self.config = config
+        self._handle: ModelHandle | None = None
+
+    @property
+    def model(self) -> ModelHandle:
+        """The model handle given to `aniso_setup`."""
+        if self._handle is None:
+            raise RuntimeError(f"{type(self).__name__}: aniso_setup(model, config) must run first")
+        return self._handle
+
+    @property
+    def is_set_up(self) -> bool:
+        return self._handle is not None
+
+    def __dir__(self) -> list[str]:
+        # pluggy's register() getattr()s every name in dir(plugin) looking for hook
+        # implementations, which would raise `model`'s error: leave it out until set-up.
+        names = super().__dir__()
+        return names if self.is_set_up else [n for n in names if n != "model"]
+
+    @hookimpl
+    def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
+        self._handle = model
+        try:
+            self.setup(model)
+        except BaseException:
+            self._handle = None
+            raise
+
+    def setup(self, model: ModelHandle) -> None:
+        """Check the model and change it (hooks, head surgery); raise before changing anything."""
+
+    @hookimpl
+    def aniso_metric_stats(
+        self, step: StepInfo, kind: str, round_index: int, reduced: Mapping[str, torch.Tensor]
+    ) -> dict[str, Stat] | None:
+        return self.train_stats(step, round_index, reduced) if kind == "train" else None
+
+    def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
+        """This rank's reducible statistics of round `round_index` of a train measurement."""
+        return None
+
+    @hookimpl
+    def aniso_metrics(self, step: StepInfo, kind: str, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        return self.train_metrics(step, reduced) if kind == "train" else None
+
+    def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
+        """The finished metrics of a train measurement from the reduced statistics."""
+        return None
+
+
+__all__ = ["Plugin"]
