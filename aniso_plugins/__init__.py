@@ -5,8 +5,7 @@ statistics, state files, and the methods and metrics. Trainer adapters live in
 ``aniso_plugins.integrations.<trainer>``.
 """
 
-__version__ = "0.1.0"
-
+from aniso_plugins.core.version import __version__
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.errors import AnisoError
 from aniso_plugins.core.hookspecs import hookimpl
@@ -32,10 +31,10 @@ from aniso_plugins.metrics.bottleneck.probe import (
 )
 from aniso_plugins.metrics.frequency.groups import CumulativeTargetCounts, frequency_groups
 from aniso_plugins.metrics.geometry.isoscore import isoscore
+from aniso_plugins.metrics.geometry.rounds import isotropy
 from aniso_plugins.metrics.geometry.stats import (
     Spectrum,
     effective_rank,
-    isotropy,
     mean_cosine,
     normalized_singular_values,
     principal_variance_share,
@@ -57,6 +56,7 @@ from aniso_plugins.offline.postprocess import (
 )
 
 __all__ = [
+    "__version__",
     "AGGForward",
     "AGGGates",
     "AllButTheTop",

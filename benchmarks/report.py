@@ -28,7 +28,8 @@ import torch
 from safetensors.torch import save_file
 
 from aniso_plugins.metrics.geometry.stats import Spectrum, moment_stats, moments
-from aniso_plugins.offline.report import MatrixSource, _gram_f32, matrix_geometry
+from aniso_plugins.offline.analysis import _gram_f32, matrix_geometry
+from aniso_plugins.offline.sources import MatrixSource
 
 
 def synthetic(v: int, d: int, seed: int = 0, dtype=torch.bfloat16) -> torch.Tensor:

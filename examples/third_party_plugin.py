@@ -8,21 +8,30 @@ root-mean-square norm of the head's rows), both distributed-safe:
 - the loss term is evaluated on the full head weight, which every rank holds during the
   forward (DDP replica, or the FSDP2-unsharded parameter), so it is the global value.
 
-Register it either in code::
+Its one option, ``head_norm_coef``, is declared beside it (`HeadNormOptions`, in
+``head_norm_options.py``: an options module imports only `aniso_plugins.core.options`, since it
+may be loaded while `AnisoConfig` is being built) exactly as the built-in features declare theirs. Register it either in code::
 
-    AnisoPlugins(config, plugins=[HeadNormPlugin(coef=1e-4)])
+    config = AnisoConfig.extend(HeadNormOptions)(method="agg", head_norm_coef=1e-4)  # AnisoConfig + its field
+    AnisoPlugins(config, plugins=[HeadNormPlugin.from_config(config)])
 
-or, from your own package, through the entry-point group (pyproject.toml)::
+(or simply ``plugins=[HeadNormPlugin(coef=1e-4)]``), or, from your own package, through the two
+entry-point groups (pyproject.toml)::
 
     [project.entry-points.aniso_plugins]
     head_norm_plugins = "your_package.third_party_plugin"
+    [project.entry-points."aniso_plugins.options"]
+    head_norm = "your_package.head_norm_options:HeadNormOptions"
 
-in which case the module-level `aniso_make_plugins` below builds the plugin object.
+in which case ``head_norm_coef`` is a field of `AnisoConfig` itself (a keyword argument, an
+HfArgumentParser / tyro flag, a LightningCLI YAML key, checked by `HeadNormOptions.validate`)
+and the module-level `aniso_make_plugins` below builds the plugin object from it.
 """
 
 from __future__ import annotations
 
 import torch
+from head_norm_options import HeadNormOptions
 
 from aniso_plugins import AnisoConfig, ModelHandle, Stat, StepInfo, hookimpl, local_rows
 
@@ -33,6 +42,10 @@ class HeadNormPlugin:
     def __init__(self, coef: float = 1e-4) -> None:
         self.coef = coef
         self.model: ModelHandle | None = None
+
+    @classmethod
+    def from_config(cls, config: AnisoConfig) -> HeadNormPlugin:
+        return cls(getattr(config, "head_norm_coef", HeadNormOptions.head_norm_coef))
 
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
@@ -62,4 +75,4 @@ class HeadNormPlugin:
 
 @hookimpl
 def aniso_make_plugins(config: AnisoConfig) -> list[object]:
-    return [HeadNormPlugin()]
+    return [HeadNormPlugin.from_config(config)]

@@ -400,8 +400,7 @@ class AnisoCallback(TrainerCallback):
             add_to_record(extra)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.config.report_at_end and state.is_world_process_zero:
-            self.session.write_report(args.output_dir)
+        self.session.end_training(args.output_dir, main_process=state.is_world_process_zero)
 
     def on_epoch_end(self, args, state, control, **kwargs):
         if control.should_save:

@@ -111,8 +111,7 @@ class AnisoCallback(pl.Callback):
         self.session.detach(keep_head=keep_head)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.config.report_at_end and trainer.is_global_zero:
-            self.session.write_report(trainer.default_root_dir)
+        self.session.end_training(trainer.default_root_dir, main_process=trainer.is_global_zero)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -18,6 +21,8 @@ from aniso_plugins.core import registry
 from aniso_plugins.core.config import HEADS, METHODS, METRICS
 from aniso_plugins.core.builtins import aniso_make_plugins
 from aniso_plugins.core.state import load_state, save_state
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 # A configuration where every field differs from its default (parsers must carry each one).
 NON_DEFAULT = dict(
@@ -510,3 +515,57 @@ def test_lightning_cli_bad_config_value_names_the_field(tmp_path, monkeypatch):
     cb["init_args"]["config"] = {"alpha": -1}
     with pytest.raises(ValueError, match="alpha=-1.0: expected a number > 0"):
         _lightning_cli(_trainer(tmp_path, cb), monkeypatch)
+
+
+# --- options beside their feature -----------------------------------------------------------------
+def test_each_feature_declares_its_options_and_the_config_is_their_union():
+    from aniso_plugins.methods.agg.options import AGGOptions
+    from aniso_plugins.methods.heads.options import HeadOptions
+
+    names = [f.name for f in dataclasses.fields(AnisoConfig)]
+    assert names[:3] == ["method", "head", "ignore_index"] and len(names) == len(set(names))
+    own = {c: {f.name for f in dataclasses.fields(c)} - {f.name for b in c.__bases__ for f in dataclasses.fields(b)}
+           for c in AnisoConfig.option_classes()}  # fmt: skip
+    assert own[AGGOptions] == {"alpha", "window", "special_ids", "agg_g1", "agg_g2", "agg_static_after",
+                               "agg_freeze_rare", "agg_parts", "agg_fused", "agg_chunk_size"}  # fmt: skip
+    assert set().union(*own.values()) == set(names)  # every field has one home
+    assert AnisoConfig.state_fields() == ("method", "head", "ignore_index", "alpha", "special_ids", "lowrank_rank")
+    assert HeadOptions.STATE_FIELDS == ("lowrank_rank",)
+    with pytest.raises(ConfigError, match="alpha=0: expected a number > 0"):  # AGGOptions.validate, inside AnisoConfig
+        AnisoConfig(alpha=0)
+
+
+def test_a_third_party_plugin_gets_options_through_the_same_route(tmp_path):
+    from head_norm_options import HeadNormOptions
+    from third_party_plugin import HeadNormPlugin, aniso_make_plugins
+    from transformers import HfArgumentParser
+
+    Config = AnisoConfig.extend(HeadNormOptions)
+    config = Config(method="agg", head_norm_coef=0.5)
+    assert isinstance(config, AnisoConfig) and config.alpha == 0.03
+    assert aniso_make_plugins(config)[0].coef == 0.5 and HeadNormPlugin.from_config(AnisoConfig()).coef == 1e-4
+    with pytest.raises(ConfigError, match="head_norm_coef=-1"):
+        Config(head_norm_coef=-1)
+    with pytest.raises(ConfigError, match="unknown configuration fields"):
+        AnisoConfig.from_dict({"head_norm_coef": 0.5})
+    assert Config.from_dict(config.to_dict()) == config
+    (parsed,) = HfArgumentParser(Config).parse_args_into_dataclasses(["--head_norm_coef", "0.25", "--method", "agg"])
+    assert parsed.head_norm_coef == 0.25 and parsed.method == ("agg",)
+    with pytest.raises(ConfigError, match="redefines the fields"):
+        AnisoConfig.extend(HeadNormOptions).extend(HeadNormOptions)
+    # installed with its entry points, its options are fields of AnisoConfig itself
+    dist = tmp_path / "head_norm_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: head-norm-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[aniso_plugins]\nhead_norm_plugins = third_party_plugin\n\n[aniso_plugins.options]\nhead_norm = head_norm_options:HeadNormOptions\n"
+    )
+    code = (
+        "from aniso_plugins import AnisoConfig, AnisoPlugins\n"
+        "c = AnisoConfig(method='cosreg', head_norm_coef=0.125)\n"
+        "print(c.head_norm_coef, AnisoPlugins(c).get('head_norm').coef)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), EXAMPLES, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0.125", "0.125"]

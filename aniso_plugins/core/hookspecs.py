@@ -18,6 +18,7 @@ Order of events (docs/design.md walks through each adapter)::
         aniso_targets(m=A-1) forward [aniso_activation_loss_terms] [aniso_loss_terms] backward
         (gradient clipping, optimizer step) aniso_step_end
         at measurement steps: aniso_metric_stats(round 0, 1, ...) -> aniso_metrics -> aniso_log
+    after the last step: aniso_end_training
     evaluation: aniso_eval_batch per batch, then aniso_metric_stats / aniso_metrics / aniso_log (kind "eval")
 """
 
@@ -187,6 +188,14 @@ def aniso_eval_batch(logits: torch.Tensor, targets: torch.Tensor) -> None:
 def aniso_log(metrics: Mapping[str, float], step: int, kind: str) -> None:
     """Observe finished metrics (already prefixed), e.g. to send them to an extra sink. The
     adapter has already put them into the trainer's own logger. Called on every rank."""
+
+
+@hookspec
+def aniso_end_training(output_dir: str, main_process: bool) -> None:
+    """Training has ended (the trainer's own end of training; an interrupted run never gets
+    here). `output_dir`: the trainer's output folder (HF ``args.output_dir``, Lightning
+    ``default_root_dir``); `main_process`: whether this is the process that writes files.
+    Called on every rank; a monitoring plugin catches its own failures."""
 
 
 @hookspec

@@ -144,6 +144,10 @@ class AnisoPlugins:
         self._last_shares, self._shares = self._shares, {}
         self.pm.hook.aniso_step_end(step=step)
 
+    def end_training(self, output_dir: str, main_process: bool) -> None:
+        """After the last step of a finished training run."""
+        self.pm.hook.aniso_end_training(output_dir=output_dir, main_process=main_process)
+
     def eval_batch(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         """One evaluation batch (logits and causally aligned targets)."""
         self.pm.hook.aniso_eval_batch(logits=logits, targets=targets)

@@ -55,7 +55,41 @@ TARGET_COUNTS = f"{_PKG}.metrics.frequency.target_counts:TargetCountsPlugin"
 NEEDS_TARGET_COUNTS = frozenset({"frequency", "eval"})
 """Metrics constructed as ``cls(config, counts)`` with the shared `TARGET_COUNTS` plugin."""
 
+SWITCHES: Mapping[str, str] = {
+    "report_at_end": f"{_PKG}.offline.plugin:EndOfTrainingReport",
+}
+"""Boolean `AnisoConfig` fields -> the plugin added when the field is True."""
+
 TABLES: Mapping[str, Mapping[str, str | None]] = {"method": METHODS, "head": HEADS, "metrics": METRICS}
+
+OPTIONS: tuple[str, ...] = (
+    f"{_PKG}.methods.agg.options:AGGOptions",
+    f"{_PKG}.methods.regularizers.options:RegularizerOptions",
+    f"{_PKG}.methods.simctg.options:SimCTGOptions",
+    f"{_PKG}.methods.uniformity.options:UniformityOptions",
+    f"{_PKG}.methods.simcse.options:SimCSEOptions",
+    f"{_PKG}.methods.heads.options:HeadOptions",
+    f"{_PKG}.metrics.frequency.options:FrequencyOptions",
+    f"{_PKG}.metrics.hidden.options:HiddenOptions",
+    f"{_PKG}.metrics.bottleneck.options:BottleneckOptions",
+    f"{_PKG}.metrics.ethayarajh.options:EthayarajhOptions",
+    f"{_PKG}.offline.options:ReportOptions",
+)
+"""Each feature's options class (`aniso_plugins.core.options.Options`), in the order of
+`AnisoConfig`'s fields; a new feature adds its line here and its table entry above."""
+
+OPTIONS_ENTRY_POINT_GROUP = "aniso_plugins.options"
+"""Entry-point group of third-party plugins' options classes: installed, they are fields of
+`AnisoConfig` like the built-ins' (flags, YAML keys and keyword arguments alike)."""
+
+
+def option_classes() -> tuple[type, ...]:
+    """The options classes `AnisoConfig` is made of: the built-ins' (`OPTIONS`), then those of
+    the installed third-party plugins (`OPTIONS_ENTRY_POINT_GROUP`), each an `Options` dataclass."""
+    from importlib.metadata import entry_points
+
+    third_party = tuple(ep.load() for ep in entry_points(group=OPTIONS_ENTRY_POINT_GROUP))
+    return tuple(resolve(spec) for spec in OPTIONS) + third_party
 
 
 def resolve(spec: str) -> type:
@@ -79,4 +113,16 @@ def plugin_class(field: str, name: str) -> type | None:
     return None if spec is None else resolve(spec)
 
 
-__all__ = ["HEADS", "METHODS", "METRICS", "NEEDS_TARGET_COUNTS", "TARGET_COUNTS", "plugin_class", "resolve"]
+__all__ = [
+    "HEADS",
+    "METHODS",
+    "METRICS",
+    "NEEDS_TARGET_COUNTS",
+    "OPTIONS",
+    "OPTIONS_ENTRY_POINT_GROUP",
+    "SWITCHES",
+    "TARGET_COUNTS",
+    "option_classes",
+    "plugin_class",
+    "resolve",
+]

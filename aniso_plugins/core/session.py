@@ -390,24 +390,10 @@ class TrainingSession:
         finally:
             self._eval_paused = paused
 
-    REPORT_DIR = "aniso_report"
-
-    def write_report(self, output_dir: str | os.PathLike) -> list[str]:
-        """``config.report_at_end``: the offline report (`aniso_plugins.offline.report.write_report`) of
-        the model's input embedding and head into ``output_dir/aniso_report``; call on one
-        process. A monitoring path: a failure is a warning, never an error. Returns the paths."""
-        if self.handle is None:
-            return []
-        directory = os.path.join(os.fspath(output_dir), self.REPORT_DIR)
-        try:
-            from aniso_plugins.offline.report import write_report
-
-            paths = write_report(_EmbeddingsView(self.handle), directory, name="final")
-        except Exception as e:  # e.g. FSDP2-sharded weights, a missing plotting extra
-            logger.warning("aniso_plugins: the end-of-training report was not written to %s (%s: %s)", directory, type(e).__name__, e)
-            return []
-        logger.info("aniso_plugins: end-of-training report written to %s", directory)
-        return paths
+    def end_training(self, output_dir: str | os.PathLike, main_process: bool) -> None:
+        """The trainer's training has ended: `aniso_end_training` (e.g. ``report_at_end``'s
+        report into ``output_dir``, written by the `main_process` only)."""
+        self.plugins.end_training(os.fspath(output_dir), main_process)
 
     # --- state ------------------------------------------------------------------------------
     STATE_FILE = "aniso_state.safetensors"
@@ -487,21 +473,6 @@ class _ZeroThrough(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         shape, dtype, device = ctx.meta
         return torch.zeros(shape, dtype=dtype, device=device)
-
-
-class _EmbeddingsView(nn.Module):
-    """The model's input embedding and head, seen through the transformers accessor names that
-    the report reads (a handle may name them by submodule path)."""
-
-    def __init__(self, handle: ModelHandle) -> None:
-        super().__init__()
-        self.__dict__["handle"] = handle  # not a registered submodule
-
-    def get_input_embeddings(self) -> nn.Module | None:
-        return self.handle.input_embedding()
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.handle.head()
 
 
 __all__ = ["GradScaler", "MetricsSink", "TrainingSession"]

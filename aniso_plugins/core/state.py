@@ -16,21 +16,17 @@ from collections.abc import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
+from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.errors import StateError
+from aniso_plugins.core.version import __version__
 
 FORMAT = "aniso_plugins.core.state"
 FORMAT_VERSION = 1
-# Fields whose change makes saved state meaningless (the rest, e.g. metric cadence, may change on
-# resume). The AGG window is not among them: the token counter re-cuts its window itself where
-# that is exact (`SlidingTokenCounter.load_state_dict`).
-STATE_FIELDS = ("method", "head", "alpha", "special_ids", "ignore_index", "lowrank_rank")
 RESET_HINT = "to resume without it, delete it or set AnisoConfig(on_state_mismatch='reset') to start the plugins' state fresh"
 
 
 def save_state(path: str | os.PathLike, state: Mapping[str, Mapping[str, torch.Tensor]], config: Mapping) -> None:
     """Write ``{plugin: {key: tensor}}`` to `path` atomically (temp file + rename)."""
-    from aniso_plugins import __version__
-
     tensors = {}
     for plugin, entries in state.items():
         for key, value in entries.items():
@@ -70,7 +66,7 @@ def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, 
     """Read a file written by `save_state` and check it against `config`.
 
     Raises `StateError` if the file is not ours, has another format version, or was written
-    under a configuration that differs in any of `STATE_FIELDS`."""
+    under a configuration that differs in any of its state fields (`AnisoConfig.state_fields`)."""
     from safetensors import safe_open
 
     path = os.fspath(path)
@@ -104,12 +100,15 @@ def load_state(path: str | os.PathLike, config: Mapping) -> dict[str, dict[str, 
 
 def check_compatible(saved: Mapping, config: Mapping, where: str) -> None:
     """Raise `StateError` if state saved under `saved` is meaningless under `config`
-    (they differ in one of `STATE_FIELDS`)."""
+    (they differ in one of the fields whose change makes saved state meaningless,
+    `AnisoConfig.state_fields`: each feature's `STATE_FIELDS`; the rest, e.g. metric cadence,
+    may change on resume, and AGG's window is not among them: the token counter re-cuts its
+    window itself where that is exact)."""
     if isinstance(saved.get("method"), str):  # written before method became a list (0.1: "agg")
         saved = {**saved, "method": [saved["method"]]}
     diffs = [
         f"{k}: saved {saved.get(k)!r}, now {_jsonable(config.get(k))!r}"
-        for k in STATE_FIELDS
+        for k in AnisoConfig.state_fields()
         if _jsonable(saved.get(k)) != _jsonable(config.get(k))
     ]
     if diffs:

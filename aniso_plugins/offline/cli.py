@@ -13,6 +13,9 @@ import argparse
 import os
 import sys
 
+from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.report import analyze
+
 EXIT_USAGE = 2
 EXIT_ERROR = 1
 
@@ -46,8 +49,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _report(a: argparse.Namespace) -> int:
-    from aniso_plugins.offline.report import analyze
-
     post = [x for x in (a.postprocess or "").split(",") if x.strip()]
     report = analyze(
         a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,
@@ -64,8 +65,6 @@ def _report(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "report":
-        from aniso_plugins.offline.report import ReportError
-
         try:
             return _report(args)
         except ReportError as e:

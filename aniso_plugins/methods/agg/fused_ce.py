@@ -36,6 +36,27 @@ def default_chunk_rows(vocab: int) -> int:
     return max(MIN_CHUNK_ROWS, min(ROW_BLOCK, CHUNK_LOGITS_BYTES // (4 * vocab)))
 
 
+def _row_order(y: torch.Tensor, valid: torch.Tensor, gates, acc: torch.dtype):
+    """The valid rows in chunk order and where the second group starts: ungated, all valid rows
+    (split = their count); gated, first the rows of the larger group (gate ``base``), then those
+    of the smaller one (`row_gating`'s ``in_other``), so each chunk has one gate pattern."""
+    if gates is None:
+        rows = valid.nonzero().squeeze(1)
+        return rows, rows.numel(), None
+    rg = row_gating(gates, y, valid, acc)
+    first = (valid & ~rg.in_other).nonzero().squeeze(1)
+    second = (valid & rg.in_other).nonzero().squeeze(1)
+    return torch.cat([first, second]), first.numel(), rg
+
+
+def _add_target_rows(dw: torch.Tensor, coef: torch.Tensor, X: torch.Tensor, rows: torch.Tensor,
+                     ys: torch.Tensor, chunk_size: int) -> None:
+    """dW[y_i] += coef_i · x_i over the ordered rows, chunk by chunk (the gated target-row
+    correction: row y_i of the gradient keeps its own gate)."""
+    for s in range(0, rows.numel(), chunk_size):
+        dw.index_add_(0, ys[s : s + chunk_size], coef[s : s + chunk_size, None] * X[rows[s : s + chunk_size]].to(dw.dtype))
+
+
 class _FusedAGGCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes, grad_enabled):
@@ -45,16 +66,7 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             X = hidden.reshape(-1, d)
             y = targets.reshape(-1)
-            valid = y != ignore_index
-            if gates is not None:
-                rg = row_gating(gates, y, valid, acc)
-                first = (valid & ~rg.in_other).nonzero().squeeze(1)
-                second = (valid & rg.in_other).nonzero().squeeze(1)
-                rows = torch.cat([first, second])
-                split = first.numel()
-            else:
-                rows = valid.nonzero().squeeze(1)
-                split = rows.numel()
+            rows, split, rg = _row_order(y, y != ignore_index, gates, acc)
             n = rows.numel()
             ys = y[rows]
             w = weight.to(compute)
@@ -98,10 +110,7 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
             if want_dw and gates is not None:
                 if not base_scaled:
                     dw.mul_(rg.base[:, None])
-                coef = rg.target_fix[rows] * tv
-                for s in range(0, n, chunk_size):
-                    r = rows[s : s + chunk_size]
-                    dw.index_add_(0, ys[s : s + chunk_size], coef[s : s + chunk_size, None] * X[r].to(acc))
+                _add_target_rows(dw, rg.target_fix[rows] * tv, X, rows, ys, chunk_size)
             if want_dx:
                 dx = dx.reshape(hidden.shape)
         ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))

@@ -198,14 +198,8 @@ def layer_stats(
         nonzero = cb & (norm != 0)
         u = xb * torch.where(nonzero, norm.reciprocal(), zero)[..., None]
         # intra-sentence similarity: s̄ over the counted positions, cosines of its nonzero vectors
-        if sentences is None:
-            mean, unit_sum, n = xb.sum(1), u.sum(1), nonzero.sum(1)
-        else:  # one sentence per (row, example): sums by key row·T + example
-            sb = sentences[start : start + per_block]
-            keys = (torch.arange(sb.shape[0], device=device).unsqueeze(1) * t + sb).reshape(-1)
-            mean = xb.new_zeros(sb.numel(), d).index_add_(0, keys, xb.reshape(-1, d))
-            unit_sum = u.new_zeros(sb.numel(), d).index_add_(0, keys, u.reshape(-1, d))
-            n = torch.zeros(sb.numel(), dtype=torch.int64, device=device).index_add_(0, keys, nonzero.reshape(-1).long())
+        sb = None if sentences is None else sentences[start : start + per_block]
+        mean, unit_sum, n = _sentence_sums(xb, u, nonzero, sb)
         mean_norm = mean.norm(dim=-1)
         keep = (n >= 2) & (mean_norm != 0)
         intra = (mean * unit_sum).sum(-1) / (mean_norm * n)
@@ -217,6 +211,20 @@ def layer_stats(
         acc["word_counts"] += torch.bincount(slot, minlength=k + 3)[: k + 2].to(torch.float64)
     acc["word_sums"] = sums[: k + 2]
     return {prefix + key: Stat(value) for key, value in acc.items()}
+
+
+def _sentence_sums(xb: torch.Tensor, u: torch.Tensor, nonzero: torch.Tensor, sentences: torch.Tensor | None):
+    """Per sentence: Σ x (the unnormalized s̄), Σ u and the number of nonzero counted vectors.
+    One sentence per row of ``(B, T, d)`` `xb`, or with `sentences` (``(B, T)`` ids, 0 ≤ id < T)
+    one per (row, example), summed by key row·T + example."""
+    if sentences is None:
+        return xb.sum(1), u.sum(1), nonzero.sum(1)
+    b, t, d = xb.shape
+    keys = (torch.arange(b, device=xb.device).unsqueeze(1) * t + sentences).reshape(-1)
+    mean = xb.new_zeros(b * t, d).index_add_(0, keys, xb.reshape(-1, d))
+    unit_sum = u.new_zeros(b * t, d).index_add_(0, keys, u.reshape(-1, d))
+    n = torch.zeros(b * t, dtype=torch.int64, device=xb.device).index_add_(0, keys, nonzero.reshape(-1).long())
+    return mean, unit_sum, n
 
 
 def layer_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, float]:

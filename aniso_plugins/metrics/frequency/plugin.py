@@ -30,7 +30,7 @@ from aniso_plugins.numerics.reduce import Stat
 
 
 class FrequencyGroupsPlugin(Plugin):
-    """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.metrics.geometry.stats.isotropy`)
+    """Per frequency group of the LM head's rows: I(W) (raw, `aniso_plugins.metrics.geometry.rounds.isotropy`)
     and the mean pairwise cosine; and the mean cosine between the rare and the frequent rows
     (AGG paper §3: "the average cosine similarity between the rare and frequent group
     embeddings"). Groups come from the shared counter of training targets, `counts`.

@@ -3,7 +3,8 @@ train measurement: `aniso_plugins.metrics.geometry.stats` metrics from one Gram 
 
 Round 0 reduces Σ w_i w_iᵀ, Σ w_i, V and the raw unit-row sum; round 1, from the reduced Gram's
 eigenvectors (raw and centered), reduces the log-partition functions of I(W) and the centered
-unit-row sum. Logged as ``geometry/<matrix>/<metric>``, matrix ``head`` or ``embedding``:
+unit-row sum: the rounds of `aniso_plugins.metrics.geometry.rounds.GeometryRounds`, the same
+ones `aniso report` sums over row blocks. Logged as ``geometry/<matrix>/<metric>``, matrix ``head`` or ``embedding``:
 
 - ``mean_cosine`` / ``mean_cosine_centered``: mean pairwise cosine of w_i / of w_i − μ;
 - ``isotropy`` / ``isotropy_centered``: I(W) raw (paper-comparable) / centered;
@@ -29,19 +30,8 @@ from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
-from aniso_plugins.metrics.geometry.isoscore import isoscore_from_variances
-from aniso_plugins.metrics.geometry.stats import (
-    Spectrum,
-    isotropy_finish,
-    isotropy_stats,
-    matrix_rows,
-    mean_cosine_finish,
-    mean_cosine_stats,
-    mean_row,
-    moment_stats,
-    moments,
-    nonfinite_count,
-)
+from aniso_plugins.metrics.geometry.rounds import GeometryRounds
+from aniso_plugins.metrics.geometry.stats import matrix_rows
 from aniso_plugins.numerics.reduce import Stat
 
 
@@ -52,7 +42,7 @@ class GeometryPlugin(Plugin):
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
-        self._spectra: dict[str, tuple[Spectrum, Spectrum]] = {}
+        self._rounds: dict[str, GeometryRounds] = {}
         self._warned: set[str] = set()
 
     def matrices(self) -> dict[str, torch.Tensor]:
@@ -65,57 +55,65 @@ class GeometryPlugin(Plugin):
         return out
 
     def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
-        if round_index > 1:
+        """Round `round_index` of every matrix's `GeometryRounds` over this rank's rows (the core
+        reduces them over the ranks with every other plugin's statistics)."""
+        if round_index >= GeometryRounds.rounds:
             return None
+        matrices = self.matrices()
+        if round_index == 0:
+            self._rounds = {name: GeometryRounds(f"geometry/{name}/") for name in matrices}
         stats: dict[str, Stat] = {}
-        for name, weight in self.matrices().items():
-            prefix = f"geometry/{name}/"
-            rows = matrix_rows(weight, f"{name} weight")
-            if round_index == 0:  # Gram, row sum, count; raw unit-row sum; non-finite entries
-                stats |= moment_stats(rows, prefix) | mean_cosine_stats(rows, prefix + "raw/")
-                stats[prefix + "nonfinite"] = Stat(nonfinite_count(rows))
-                continue
-            # round 1: from the reduced Gram's eigenvectors, the partition functions of I(W)
-            m = moments(reduced, prefix)
-            raw, centered = Spectrum.from_moments(m, center=False), Spectrum.from_moments(m, center=True)
-            self._spectra[name] = (raw, centered)
-            mu = mean_row(reduced, prefix)
-            stats |= isotropy_stats(rows, raw.eigenvectors, prefix + "raw/")
-            stats |= isotropy_stats(rows, centered.eigenvectors, prefix + "centered/", mean=mu)
-            stats |= mean_cosine_stats(rows, prefix + "centered/", mean=mu)
+        for name, weight in matrices.items():
+            geometry = self._rounds[name]
+            geometry.start(round_index, reduced)
+            stats |= geometry.stats(matrix_rows(weight, f"{name} weight"))
         return stats or None
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
-        if not self._spectra:
+        """The finished metrics of every matrix, named ``geometry/<matrix>/<metric>``."""
+        done = {name: g for name, g in self._rounds.items() if g.ready}
+        self._rounds = {}
+        if not done:
             return None
         out: dict[str, float] = {}
-        for name, (raw, centered) in self._spectra.items():
-            p = f"geometry/{name}/"
-            nonfinite = int(reduced[p + "nonfinite"])
-            out[p + "nonfinite"] = float(nonfinite)
-            if nonfinite and name not in self._warned:
-                self._warned.add(name)
-                logger.warning(
-                    "aniso_plugins geometry: the %s weight has %d non-finite entries (NaN or inf) at step %d; its "
-                    "geometry metrics are NaN while they remain (aniso/geometry/%s/nonfinite counts them). "
-                    "Training goes on.",
-                    name,
-                    nonfinite,
-                    step.step,
-                    name,
-                )
-            out[p + "mean_cosine"] = mean_cosine_finish(reduced, p + "raw/")
-            out[p + "mean_cosine_centered"] = mean_cosine_finish(reduced, p + "centered/")
-            out[p + "isotropy"] = isotropy_finish(reduced, p + "raw/")
-            out[p + "isotropy_centered"] = isotropy_finish(reduced, p + "centered/")
-            r, c = raw.summary(), centered.summary()
-            for key in ("effective_rank", "effective_rank_sigma2", "variance_share_top1", "variance_share_top3"):
-                out[p + key] = c[key]  # of W − 1μᵀ
-            for key in ("singular_entropy", "sigma_max", "sv_normalized_q25", "sv_normalized_q50", "sv_normalized_q75"):
-                out[p + key] = r[key]  # of the raw W
-            out[p + "isoscore"] = isoscore_from_variances(centered.eigenvalues)
-        self._spectra.clear()
+        for name, geometry in done.items():
+            out |= self._matrix_metrics(name, geometry.finish(reduced), step)
         return out
+
+    def _matrix_metrics(self, name: str, result: dict, step: StepInfo) -> dict[str, float]:
+        """One matrix's logged metrics from `GeometryRounds.finish`; warns once per matrix about
+        non-finite entries."""
+        p = f"geometry/{name}/"
+        nonfinite = result["nonfinite"]
+        if nonfinite and name not in self._warned:
+            self._warned.add(name)
+            logger.warning(
+                "aniso_plugins geometry: the %s weight has %d non-finite entries (NaN or inf) at step %d; its "
+                "geometry metrics are NaN while they remain (aniso/geometry/%s/nonfinite counts them). "
+                "Training goes on.",
+                name,
+                nonfinite,
+                step.step,
+                name,
+            )
+        raw, centered = result["raw"], result["centered"]
+        out = {
+            p + "nonfinite": float(nonfinite),
+            p + "mean_cosine": raw["mean_cosine"],
+            p + "mean_cosine_centered": centered["mean_cosine"],
+            p + "isotropy": raw["isotropy"],
+            p + "isotropy_centered": centered["isotropy"],
+        }
+        for key in _CENTERED_KEYS:
+            out[p + key] = centered[key]  # of W − 1μᵀ
+        for key in _RAW_KEYS:
+            out[p + key] = raw[key]  # of the raw W
+        out[p + "isoscore"] = result["isoscore"]
+        return out
+
+
+_CENTERED_KEYS = ("effective_rank", "effective_rank_sigma2", "variance_share_top1", "variance_share_top3")
+_RAW_KEYS = ("singular_entropy", "sigma_max", "sv_normalized_q25", "sv_normalized_q50", "sv_normalized_q75")
 
 
 __all__ = ["GeometryPlugin"]

@@ -339,36 +339,12 @@ def w_error(weight: torch.Tensor, rank: int, center: bool = False) -> float:
     return spectrum(weight, center).w_error(rank)
 
 
-def isotropy(weight: torch.Tensor, center: bool = False, both_signs: bool = False) -> float:
-    """Partition-function isotropy (Arora et al. 2016; Mu & Viswanath 2018; Wang et al. 2020
-    §5.1; the I(W) of the AGG paper, Yu et al. 2022):
-
-        Z(a) = Σ_i exp(⟨w_i, a⟩),   I(W) = min_{a∈E} Z(a) / max_{a∈E} Z(a) ∈ [0, 1],
-
-    E the unit eigenvectors of WᵀW. Computed in log space, float64: log Z(a) is a distributed
-    log-sum-exp, I(W) = exp(min log Z − max log Z). ``center=False`` (default) is the
-    paper-comparable raw matrix; ``center=True`` uses w_i − μ and the eigenvectors of the
-    centered Gram (docs/methods.md §2: Pythia-70m 0.083 raw vs 0.972 centered).
-
-    Eigenvector signs are arbitrary and Z(a) ≠ Z(−a): each eigenvector is taken with its
-    largest-magnitude entry positive (`aniso_plugins.numerics.linalg.eigh_gram`); ``both_signs=True``
-    uses E = {±u_k} instead, which is sign-free (and can only lower I). Collective under
-    torch.distributed: two reductions (the Gram, then d log-sum-exps)."""
-    rows = matrix_rows(weight)
-    m = moments(reduce_stats(moment_stats(rows)))
-    spec = Spectrum.from_moments(m, center)
-    mean = m.row_sum / m.count.clamp_min(1.0) if center else None
-    reduced = reduce_stats(isotropy_stats(rows, isotropy_directions(spec, both_signs), mean=mean))
-    return isotropy_finish(reduced)
-
-
 __all__ = [
     "BLOCK_ROWS",
     "Spectrum",
     "Variant",
     "cross_cosine_finish",
     "effective_rank",
-    "isotropy",
     "isotropy_directions",
     "isotropy_finish",
     "isotropy_stats",

@@ -1,0 +1,64 @@
+"""The options of AGG (Yu et al. 2022), docs/methods.md §1: fields of `aniso_plugins.AnisoConfig`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from aniso_plugins.core.options import (
+    IntList,
+    Options,
+    StrList,
+    check_choices,
+    check_positive_or_none,
+    check_range,
+    check_token_ids,
+    list_field,
+)
+
+AGG_PARTS = ("a", "b", "c")
+"""Gradient parts of a rare row that AGG may gate (docs/methods.md §0)."""
+
+
+@dataclass(frozen=True)
+class AGGOptions(Options):
+    """AGG (Yu et al. 2022)."""
+
+    SEQUENCES = {"special_ids": int, "agg_parts": str}
+    STATE_FIELDS = ("alpha", "special_ids")
+
+    alpha: float = 0.03
+    """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""
+    window: int | None = None
+    """K, optimizer steps the token counter remembers. None: one epoch when the adapter knows it."""
+    special_ids: IntList = list_field()
+    """Ids with a_k = 1 (never rare), like fairseq's 4 specials."""
+    agg_g1: bool = True
+    """Ablation: False sets g1 = 1 (no gating for non-rare targets)."""
+    agg_g2: bool = True
+    """Ablation: False sets g2 = 1 (no gating for rare targets)."""
+    agg_static_after: int | None = None
+    """Ablation: freeze the rare group (and gates) after this many optimizer steps."""
+    agg_freeze_rare: bool = False
+    """Ablation: the paper's Freeze experiment, rare rows get no output-side gradient at all."""
+    agg_parts: StrList = list_field("b", "c")
+    """Gradient parts of a rare row to gate (docs/methods.md §0): (a) own contexts, (b) non-rare
+    targets, (c) other rare targets. Default ("b", "c") is the official AGG."""
+    agg_fused: bool = False
+    """Run AGG as the fused chunked AGG cross-entropy (no full logits) instead of the gated head:
+    only adapters that own the loss can (torchtitan, where it is the default); the HF and
+    Lightning adapters refuse it."""
+    agg_chunk_size: int | None = None
+    """Token rows per chunk of the fused AGG cross-entropy; None: 1024, or fewer where a chunk's
+    float32 logits would exceed 256 MiB (`aniso_plugins.methods.agg.fused_ce.default_chunk_rows`)."""
+
+    def validate(self) -> None:
+        check_choices("agg_parts", self.agg_parts, AGG_PARTS)
+        check_range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
+        check_positive_or_none("window", self.window)
+        check_positive_or_none("agg_static_after", self.agg_static_after)
+        check_positive_or_none("agg_chunk_size", self.agg_chunk_size)
+        check_token_ids("special_ids", self.special_ids)
+
+
+__all__ = ["AGGOptions"]

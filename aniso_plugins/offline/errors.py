@@ -1,0 +1,19 @@
+"""The report's one error type, shared by its modules."""
+
+from __future__ import annotations
+
+from aniso_plugins.core.errors import AnisoError
+
+
+class ReportError(AnisoError):
+    """A bad input (missing file, no weights, corrupt file, no embeddings, text without a
+    tokenizer): the CLI prints it as one line and exits non-zero."""
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for a one-line `ReportError`."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+__all__ = ["ReportError", "one_line"]

@@ -1,0 +1,285 @@
+"""The report as Markdown tables (`render_markdown`) and PNG plots (`render_plots`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from aniso_plugins.metrics.frequency.groups import GROUPS
+from aniso_plugins.offline.errors import ReportError
+
+if TYPE_CHECKING:
+    from aniso_plugins.offline.report import Report
+
+PROJECTION_POINTS = 20000
+"""Points drawn in the 2-D projection plot (all rows are projected; at most this many drawn)."""
+
+
+_ROWS = (
+    ("shape", None),
+    ("gram", None),
+    ("mean cosine", ("raw", "mean_cosine")),
+    ("mean cosine (centred)", ("centered", "mean_cosine")),
+    ("I(W)", ("raw", "isotropy")),
+    ("I(W) (centred)", ("centered", "isotropy")),
+    ("effective rank (centred, p∝σ)", ("centered", "effective_rank")),
+    ("effective rank (centred, p∝σ²)", ("centered", "effective_rank_sigma2")),
+    ("effective rank (raw, p∝σ)", ("raw", "effective_rank")),
+    ("spectral saturation (raw)", ("raw", "singular_entropy")),
+    ("σ_max (raw)", ("raw", "sigma_max")),
+    ("σ/σ_max at k/2 (raw)", ("raw", "sv_normalized_q50")),
+    ("top-1 variance share (centred)", ("centered", "variance_share_top1")),
+    ("top-3 variance share (centred)", ("centered", "variance_share_top3")),
+    ("IsoScore", ("isoscore",)),
+    ("mean row norm", ("norm_mean",)),
+    ("non-finite entries", ("nonfinite",)),
+)
+
+
+def _fmt(x: Any) -> str:
+    """A table cell: thousands separators for ints, 4 significant digits (or e-notation) for floats."""
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return "nan" if math.isnan(x) else str(x)
+        if x == 0:
+            return "0"
+        a = abs(x)
+        return f"{x:.3e}" if a < 1e-3 or a >= 1e5 else f"{x:.4g}"
+    return str(x)
+
+
+def _get(d: dict, path: tuple[str, ...]) -> Any:
+    """``d[p0][p1]…``, None where a key is missing."""
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def _columns(report: Report) -> list[tuple[str, dict]]:
+    """(``model · matrix``, geometry) of every matrix of every model, in order."""
+    return [(f"{m['name']} · {k}", g) for m in report.models for k, g in m["matrices"].items()]
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table, first column left-aligned, the others right-aligned."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _geometry_table(columns: list[tuple[str, dict]]) -> str:
+    """The `_ROWS` of every column."""
+    rows = []
+    for label, path in _ROWS:
+        if label == "shape":
+            rows.append([label] + [f"{g.get('rows', '?')} × {g.get('dim', '?')} {g.get('dtype', '')}".strip() for _, g in columns])
+        elif label == "gram":
+            rows.append(["Gram"] + [str(g.get("gram", "")) for _, g in columns])
+        else:
+            rows.append([label] + [_fmt(_get(g, path)) for _, g in columns])
+    return _table(["metric"] + [c for c, _ in columns], rows)
+
+
+def render_markdown(report: Report) -> str:
+    """The report's tables as Markdown."""
+    md = ["# Embedding geometry report", ""]
+    md.append(", ".join(f"**{m['name']}** ({m['kind']}{', tied' if m.get('tied') else ''}): `{m['path']}`" for m in report.models))
+    md += ["", "## Geometry", "", _geometry_table(_columns(report)), ""]
+    for pname in report.settings.get("postprocess") or []:
+        cols = [(c, g["postprocessed"][pname]) for c, g in _columns(report) if pname in g.get("postprocessed", {})]
+        md += [f"## After {pname}", "", _geometry_table(cols), ""]
+    with_text = [m for m in report.models if "text" in m]
+    if with_text:
+        md += ["## Text", ""]
+        rows = [
+            ["tokens"] + [_fmt(m["text"]["tokens"]) for m in with_text],
+            ["sequences × length"] + [f"{m['text']['sequences']} × {m['text']['sequence_length']}" for m in with_text],
+            ["distinct tokens"] + [_fmt(m["text"]["distinct_tokens"]) for m in with_text],
+        ]
+        for g in GROUPS:
+            rows.append([f"{g}: ids / share of tokens"] + [
+                f"{m['text']['group_sizes'][g]:,} / {m['text']['group_token_share'][g]:.3f}" for m in with_text])
+        for key in ("ppl", *[f"ppl_{g}" for g in GROUPS], "uniq", *[f"uniq_{g}" for g in GROUPS]):
+            if any(key in m["text"].get("eval", {}) for m in with_text):
+                rows.append([f"eval {key}"] + [_fmt(m["text"].get("eval", {}).get(key)) for m in with_text])
+        for g in GROUPS:
+            for key in ("isotropy", "mean_cosine"):
+                rows.append([f"{g} rows: {'I(W)' if key == 'isotropy' else 'mean cosine'}"] + [
+                    _fmt(m["text"]["frequency"].get(f"{g}/{key}")) for m in with_text])
+        rows.append(["rare–frequent mean cosine"] + [_fmt(m["text"]["frequency"].get("rare_frequent_cosine")) for m in with_text])
+        for key in ("lost_fraction", "kept_cosine", "tokens"):
+            if any(key in m["text"].get("bottleneck", {}) for m in with_text):
+                rows.append([f"bottleneck {key}"] + [_fmt(m["text"].get("bottleneck", {}).get(key)) for m in with_text])
+        md += [_table(["text metric"] + [m["name"] for m in with_text], rows), ""]
+        n_layers = max(len(m["text"]["hidden_mean_cosine"]) for m in with_text)
+        rows = [[str(i)] + [_fmt(m["text"]["hidden_mean_cosine"][i]) if i < len(m["text"]["hidden_mean_cosine"]) else "–"
+                            for m in with_text] for i in range(n_layers)]
+        md += ["### Hidden-state anisotropy (mean cosine of sampled token occurrences, per block)", "",
+               _table(["block"] + [m["name"] for m in with_text], rows), ""]
+    return "\n".join(md) + "\n"
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend; `ReportError` without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ReportError("plots need matplotlib (pip install aniso-plugins[report])") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class _Figures:
+    """Saves figures into one directory and remembers the paths."""
+
+    def __init__(self, plt, directory: Path) -> None:
+        self.plt, self.directory, self.written = plt, directory, []
+
+    def save(self, fig, name: str) -> None:
+        path = self.directory / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        self.plt.close(fig)
+        self.written.append(str(path))
+
+
+def _plot_spectrum(plt, cols: list[tuple[str, dict]]):
+    """σ_i/σ_1 of every matrix (raw), log scale."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, g in cols:
+        sv = [max(x, 1e-12) for x in g["spectrum"]]
+        ax.plot(range(1, len(sv) + 1), sv, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("index i")
+    ax.set_ylabel("σ_i / σ_1")
+    ax.set_title("Normalised singular values (raw)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_cosines(plt, cols: list[tuple[str, dict]], postprocess: Sequence[str]):
+    """Densities of the pairwise cosines of sampled rows: raw, centred, after each post-processing."""
+    panels = [("raw", "cosine_histogram", None), ("centred", "cosine_histogram_centered", None)]
+    panels += [(p, "cosine_histogram", p) for p in postprocess]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (title, key, post) in zip(axes[0], panels):
+        for label, g in cols:
+            src = g if post is None else g.get("postprocessed", {}).get(post)
+            if not src:
+                continue
+            h = src[key]
+            n = len(h["counts"])
+            edges = [h["min"] + (h["max"] - h["min"]) * i / n for i in range(n + 1)]
+            total = max(1, sum(h["counts"]))
+            width = (h["max"] - h["min"]) / n
+            ax.stairs([c / total / width for c in h["counts"]], edges, label=label)
+        ax.set_title(f"pairwise cosines: {title}")
+        ax.set_xlabel("cos(w_i, w_j), sampled rows")
+        ax.set_ylabel("density")
+        ax.legend(fontsize=7)
+    return fig
+
+
+def _projection_panel(ax, m: dict, k: str, g: dict) -> None:
+    """One matrix's rows on its top two singular directions, coloured by frequency group when
+    the model has a text."""
+    colors = {0: "tab:red", 1: "tab:orange", 2: "tab:blue"}
+    xy = g["_projection"]
+    gen = torch.Generator().manual_seed(0)
+    pick = torch.randperm(len(xy), generator=gen)[:PROJECTION_POINTS]
+    groups = m.get("text", {}).get("_groups")
+    if groups is not None and len(groups) == len(xy):
+        for gi in (1, 2, 0):
+            sel = pick[groups[pick] == gi]
+            ax.scatter(xy[sel, 0], xy[sel, 1], s=3, alpha=0.6, c=colors[gi], label=GROUPS[gi], linewidths=0)
+        ax.legend(fontsize=7, markerscale=3)
+    else:
+        ax.scatter(xy[pick, 0], xy[pick, 1], s=3, alpha=0.5, linewidths=0)
+    ax.set_title(f"{m['name']} · {k}", fontsize=9)
+    ax.set_xlabel("⟨w, u_1⟩")
+    ax.set_ylabel("⟨w, u_2⟩")
+
+
+def _plot_projection(plt, items: list[tuple[dict, str, dict]]):
+    """Panels of `_projection_panel`, at most three a row."""
+    n = len(items)
+    ncols = min(n, 3)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.0 * nrows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    for ax, (m, k, g) in zip(axes.flat, items):
+        _projection_panel(ax, m, k, g)
+    return fig
+
+
+def _plot_layers(plt, with_text: list[dict]):
+    """Hidden-state anisotropy per block, one line per model."""
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    for m in with_text:
+        y = m["text"]["hidden_mean_cosine"]
+        ax.plot(range(len(y)), y, marker="o", label=m["name"])
+    ax.set_xlabel("block")
+    ax.set_ylabel("mean cosine of random token occurrences")
+    ax.set_title("Hidden-state anisotropy per layer")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _plot_norm_frequency(plt, with_text: list[dict]):
+    """Row norm against the token's count in the text, one panel per matrix kind."""
+    kinds = sorted({k for m in with_text for k, g in m["matrices"].items() if "_norms" in g})
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.0 * len(kinds), 4.0), squeeze=False)
+    for ax, k in zip(axes[0], kinds):
+        for m in with_text:
+            g = m["matrices"].get(k)
+            counts = m["text"]["_counts"]
+            if g is None or "_norms" not in g or len(g["_norms"]) != len(counts):
+                continue
+            gen = torch.Generator().manual_seed(0)
+            pick = torch.randperm(len(counts), generator=gen)[:PROJECTION_POINTS]
+            ax.scatter(counts[pick].double() + 1, g["_norms"][pick], s=3, alpha=0.4, label=m["name"], linewidths=0)
+        ax.set_xscale("log")
+        ax.set_xlabel("token count in the text + 1")
+        ax.set_ylabel("row norm ‖w_i‖")
+        ax.set_title(f"norm vs frequency: {k}")
+        ax.legend(fontsize=7, markerscale=3)
+    return fig
+
+
+def render_plots(report: Report, directory: Path) -> list[str]:
+    """spectrum.png, cosines.png, projection.png and, with a text, layers.png and
+    norm_frequency.png; returns the paths written."""
+    plt = _pyplot()
+    directory.mkdir(parents=True, exist_ok=True)
+    figures = _Figures(plt, directory)
+    cols = _columns(report)
+    figures.save(_plot_spectrum(plt, cols), "spectrum.png")
+    figures.save(_plot_cosines(plt, cols, report.settings.get("postprocess") or []), "cosines.png")
+    items = [(m, k, g) for m in report.models for k, g in m["matrices"].items() if "_projection" in g]
+    if items:
+        figures.save(_plot_projection(plt, items), "projection.png")
+    with_text = [m for m in report.models if "text" in m]
+    if with_text:
+        figures.save(_plot_layers(plt, with_text), "layers.png")
+        figures.save(_plot_norm_frequency(plt, with_text), "norm_frequency.png")
+    return figures.written
+
+
+__all__ = ["PROJECTION_POINTS", "render_markdown", "render_plots"]

@@ -1,0 +1,142 @@
+"""The package's shape, checked from its source (docs/design.md "Layout"): no import circle
+(function-level imports included), no function over 60 lines, no module over 600 lines, and no
+built-in method's name inside the generic core or the trainer adapters."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from aniso_plugins.core import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "aniso_plugins"
+ADAPTERS = ROOT / "integrations"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for base, name in ((PACKAGE, "aniso_plugins"), (ADAPTERS, "aniso_plugins.integrations")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([name, *parts])] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that runs (at module level or in a function), leaving out
+    ``if TYPE_CHECKING:`` blocks."""
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", "")) == "TYPE_CHECKING":
+                stack.extend(child.orelse)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            stack.append(child)
+    return found
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The package modules an import statement loads (a ``from package import submodule`` loads
+    the submodule)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        assert not node.level, f"{module}: relative import (the package imports absolutely)"
+        names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return {n for n in names if n in MODULES and n != module}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {m: set().union(*[_targets(m, n) for n in _runtime_imports(ast.parse(p.read_text()))] or [set()]) for m, p in MODULES.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` (a list of modules, first == last), or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                return path[path.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = 2
+        path.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle_through_a_function_level_import():
+    tree = ast.parse("import os\ndef f():\n    from aniso_plugins.core import session\n")
+    assert {t for n in _runtime_imports(tree) for t in _targets("aniso_plugins.core.config", n)} == {
+        "aniso_plugins.core",
+        "aniso_plugins.core.session",
+    }
+    guarded = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import aniso_plugins.core.session\n")
+    assert not [t for n in _runtime_imports(guarded) for t in _targets("aniso_plugins.core.config", n)]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle_in_the_package_or_the_adapters():
+    graph = _graph()
+    assert len(graph) > 60  # every module was read
+    assert "aniso_plugins.core.plugins" in graph["aniso_plugins.core.session"]
+    # `from aniso_plugins import X` in a submodule is an edge to the package, which imports the core
+    assert _cycle(graph) is None
+
+
+@pytest.mark.parametrize("path", sorted(MODULES.values()), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_function_over_60_lines_and_no_module_over_600(path):
+    source = path.read_text()
+    assert len(source.splitlines()) <= 600
+    long = [
+        (node.name, node.end_lineno - node.lineno + 1)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert long == []
+
+
+def _string_constants(tree: ast.Module) -> set[str]:
+    """String literals that are not docstrings."""
+    docstrings = {
+        id(body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and (body := node.body) and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+    }
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings}
+
+
+METHOD_NAMES = {name for name, spec in registry.METHODS.items() if spec is not None}
+
+
+@pytest.mark.parametrize(
+    "module",
+    sorted(m for m in MODULES if (m.startswith("aniso_plugins.core.") and m != "aniso_plugins.core.registry")
+           or m.startswith("aniso_plugins.integrations.")),
+)
+def test_no_method_name_in_the_core_or_the_adapters(module):
+    """The session and adapters ask the plugins what they do (capability hooks); only the
+    registry names methods."""
+    assert METHOD_NAMES >= {"agg", "simcse", "simctg"}
+    assert _string_constants(ast.parse(MODULES[module].read_text())) & METHOD_NAMES == set()
