@@ -100,10 +100,9 @@ STATE_KEY = "aniso"
 
 
 def default_config(**fields: Any) -> AnisoConfig:
-    """`AnisoConfig` with torchtitan's default ``agg_fused=True`` (the AGG head returns the
-    fused chunked cross-entropy; ``agg_fused=False`` gates torchtitan's own logit chunks with
-    the core's `aniso_plugins.agg_linear` instead)."""
-    return AnisoConfig.from_dict({"agg_fused": True, **fields})
+    """`AnisoConfig` with the defaults the features declare for torchtitan
+    (`AnisoConfig.adapter_defaults`, e.g. AGG's fused chunked cross-entropy) and `fields`."""
+    return AnisoConfig.from_dict({**AnisoConfig.adapter_defaults("torchtitan"), **fields})
 
 
 # --- model -------------------------------------------------------------------------------------
@@ -307,12 +306,8 @@ class AnisoRuntime:
                 "from its config; untie with the model config's enable_weight_tying=False)"
             )
         model = trainer.model_parts[0]
-        session = TrainingSession(config, owns_loss=True)
-        if session.head_computes_loss and type(loss.loss_fn) is not CrossEntropyLoss:
-            raise ConfigError(
-                f"agg_fused=True: the fused AGG head computes plain cross-entropy and would replace the chunked "
-                f"loss's {type(loss.loss_fn).__name__}; pass --aniso.no-agg-fused to gate torchtitan's own chunks"
-            )
+        # the loss can come from the head only where it is the plain cross-entropy the head computes
+        session = TrainingSession(config, owns_loss=type(loss.loss_fn) is CrossEntropyLoss)
         dp = _data_parallel_degree(trainer.parallel_dims)
         self.trainer = trainer
         self.session = session

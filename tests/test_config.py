@@ -72,6 +72,8 @@ NON_DEFAULT = dict(
     update_efficiency_positions=16,
     uniformity_rows=64,
     ethayarajh_words=8,
+    under_trained_threshold=0.4,
+    under_trained_reference_ids=(3,),
     load_entry_points=False,
     on_state_mismatch="reset",
     report_at_end=True,
@@ -569,3 +571,14 @@ def test_a_third_party_plugin_gets_options_through_the_same_route(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0.125", "0.125"]
+
+
+def test_adapter_defaults_come_from_the_features_options():
+    """A feature declares where its default differs by adapter (AGG: fused under torchtitan);
+    the adapters read it without naming the field."""
+    from aniso_plugins.methods.agg.options import AGGOptions
+
+    assert AnisoConfig.adapter_defaults("torchtitan") == {"agg_fused": True}
+    assert AnisoConfig.adapter_defaults("hf") == {}
+    assert AGGOptions.ADAPTER_DEFAULTS["torchtitan"] == {"agg_fused": True}
+    assert AnisoConfig().agg_fused is False

@@ -32,6 +32,7 @@ from dist_utils import run_distributed
 from test_bottleneck import ref_bottleneck
 from test_geometry import ref_isotropy, ref_mean_cosine
 from test_metric_plugins import GROUP_NAMES, ref_geometry, ref_groups
+from test_under_trained import ref_scores
 
 V, D, IGNORE = 51, 6, -100  # 51 rows: shards of 26 and 25
 
@@ -115,7 +116,7 @@ def _worker(rank: int, world: int, mode: str):
     # --- the plugins on a wrapped model, different data per rank ---------------------------
     model = LM()
     config = AnisoConfig(
-        metrics=("geometry", "frequency", "hidden", "bottleneck", "eval"),
+        metrics=("geometry", "frequency", "hidden", "bottleneck", "eval", "under_trained"),
         hidden_samples=1000,
         load_entry_points=False,
     )
@@ -210,6 +211,12 @@ def test_two_ranks_equal_single_process(mode):
     for index, group in enumerate(GROUP_NAMES):
         _check_close(metrics[f"aniso/frequency/{group}/isotropy"], ref_isotropy(w[groups == index]), group)
         _check_close(metrics[f"aniso/frequency/{group}/mean_cosine"], ref_mean_cosine(w[groups == index]), group)
+    unseen = np.bincount(pooled[pooled != IGNORE], minlength=V) == 0
+    assert 0 < unseen.sum() < V
+    score = ref_scores(w, unseen)
+    assert metrics["aniso/under_trained/reference"] == unseen.sum()
+    assert metrics["aniso/under_trained/suspected"] == (score[~unseen] >= 0.5).sum()
+    _check_close(metrics["aniso/under_trained/mean_score"], float(score[~unseen].mean()), "under_trained")
     valid = [r["probe_targets"].numpy() != IGNORE for r in results]
     for i in range(2):
         rows = np.concatenate([r["blocks"][i].numpy()[m] for r, m in zip(results, valid)])

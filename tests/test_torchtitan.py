@@ -152,7 +152,7 @@ def _chunked_loss(inner: str | None):
         ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
         ({}, dict(method="agg"), ConfigError, "--aniso.window"),
-        (dict(inner_loss="mse"), dict(method="agg", window=5, agg_fused=True), ConfigError, "no-agg-fused"),
+        (dict(inner_loss="mse"), dict(method="agg", window=5, agg_fused=True), ConfigError, "agg_fused=True.*no-agg-fused"),
         (dict(loss=object()), {}, SetupError, "AnisoChunkedLoss"),
     ],
 )

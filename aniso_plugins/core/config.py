@@ -133,6 +133,15 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
         return tuple(name for c in cls.option_classes() for name in vars(c).get("STATE_FIELDS", ()))
 
     @classmethod
+    def adapter_defaults(cls, adapter: str) -> dict[str, Any]:
+        """The fields whose default differs under the trainer adapter `adapter` ("torchtitan",
+        ...), from each feature's `ADAPTER_DEFAULTS`."""
+        out: dict[str, Any] = {}
+        for c in cls.option_classes():
+            out.update(vars(c).get("ADAPTER_DEFAULTS", {}).get(adapter, {}))
+        return out
+
+    @classmethod
     def extend(cls, *options: type[Options]) -> type[AnisoConfig]:
         """This configuration with a third-party plugin's options (frozen `Options` dataclasses)
         as more fields of the same flat surface: ``Config = AnisoConfig.extend(MyOptions)``;

@@ -57,7 +57,7 @@ def aniso_head_computes_loss(owns_loss: bool) -> bool | None:
     """Whether this plugin's LM head returns a training micro-batch's loss itself (normalized by
     ``step.loss_normalizer``) instead of logits, as the fused AGG cross-entropy does. Asked once,
     when the session is built; `owns_loss` says whether the adapter computes the loss itself
-    and so can take a loss from the head. Return True only then; raise
+    and can take its plain token cross-entropy from the head. Return True only then; raise
     `aniso_plugins.ConfigError` for a configuration that needs it from an adapter that cannot."""
 
 

@@ -44,11 +44,14 @@ class Options:
     SEQUENCES: the sequence fields and their element types (stored as tuples, `as_sequence`);
     STATE_FIELDS: the fields whose change makes the feature's saved state unusable (a resume
     under another value is refused, `aniso_plugins.core.state.check_compatible`);
+    ADAPTER_DEFAULTS: trainer adapter name -> the feature's fields whose default differs under
+    that adapter (`AnisoConfig.adapter_defaults`);
     `validate`: checks the values, raising `ConfigError`. In `AnisoConfig` it runs with the
     whole configuration as ``self``, so a check may read another feature's field."""
 
     SEQUENCES: ClassVar[Mapping[str, type]] = {}
     STATE_FIELDS: ClassVar[tuple[str, ...]] = ()
+    ADAPTER_DEFAULTS: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def validate(self) -> None:
         """Raise `ConfigError` for a value this feature cannot honour."""

@@ -46,13 +46,14 @@ METRICS: Mapping[str, str] = {
     "eval": f"{_PKG}.metrics.evaluation.plugin:EvalPlugin",
     "uniformity": f"{_PKG}.methods.uniformity.plugin:UniformityMetricPlugin",
     "ethayarajh": f"{_PKG}.metrics.ethayarajh.plugin:EthayarajhPlugin",
+    "under_trained": f"{_PKG}.metrics.under_trained.plugin:UnderTrainedPlugin",
 }
 """``AnisoConfig.metrics`` entries -> metric plugins."""
 
 TARGET_COUNTS = f"{_PKG}.metrics.frequency.target_counts:TargetCountsPlugin"
 """The shared counter of training targets (built with no arguments, once per run)."""
 
-NEEDS_TARGET_COUNTS = frozenset({"frequency", "eval"})
+NEEDS_TARGET_COUNTS = frozenset({"frequency", "eval", "under_trained"})
 """Metrics constructed as ``cls(config, counts)`` with the shared `TARGET_COUNTS` plugin."""
 
 SWITCHES: Mapping[str, str] = {
@@ -73,6 +74,7 @@ OPTIONS: tuple[str, ...] = (
     f"{_PKG}.metrics.hidden.options:HiddenOptions",
     f"{_PKG}.metrics.bottleneck.options:BottleneckOptions",
     f"{_PKG}.metrics.ethayarajh.options:EthayarajhOptions",
+    f"{_PKG}.metrics.under_trained.options:UnderTrainedOptions",
     f"{_PKG}.offline.options:ReportOptions",
 )
 """Each feature's options class (`aniso_plugins.core.options.Options`), in the order of

@@ -26,6 +26,7 @@ class AGGOptions(Options):
 
     SEQUENCES = {"special_ids": int, "agg_parts": str}
     STATE_FIELDS = ("alpha", "special_ids")
+    ADAPTER_DEFAULTS = {"torchtitan": {"agg_fused": True}}  # it owns the loss: no full logits
 
     alpha: float = 0.03
     """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""

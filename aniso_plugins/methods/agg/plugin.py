@@ -63,8 +63,10 @@ class AGGPlugin(Plugin):
         which only an adapter that computes the loss itself can take."""
         if self.config.agg_fused and not owns_loss:
             raise ConfigError(
-                "agg_fused=True: this trainer adapter does not own the loss, so the fused AGG cross-entropy cannot "
-                "run (it does in the torchtitan adapter); AGG runs as the gated LM head here: agg_fused=False"
+                "agg_fused=True: the fused AGG head returns the plain cross-entropy, which this trainer adapter "
+                "cannot take from the head (HF and Lightning compute the loss themselves; torchtitan does only with "
+                "a plain cross-entropy inner loss); run AGG as the gated LM head: agg_fused=False "
+                "(torchtitan: --aniso.no-agg-fused)"
             )
         return self.config.agg_fused
 
