@@ -352,3 +352,79 @@ def test_encoder_decoder_text_pass_measures_the_decoder(zoo, tmp_path):
         hs = model(input_ids=blocks[:8], labels=blocks[:8], output_hidden_states=True).decoder_hidden_states
     h0 = hs[1].reshape(-1, hs[1].shape[-1]).double().numpy()
     assert text["hidden_mean_cosine"][0] == pytest.approx(ref_mean_cosine(h0), rel=1e-4)  # all 8·64 < 1000 sampled
+
+
+def test_bad_arguments_and_output_locations_fail_before_any_work(zoo, tmp_path, capsys, monkeypatch):
+    """Each is refused with exit 2 and one line before a model is read (the loader is made to
+    fail loudly if it is reached)."""
+    from aniso_plugins.offline import cli
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("keep me")
+    (tmp_path / "binary.txt").write_bytes(b"some text\x00\x01\x02")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+
+    def unreachable(*a, **k):
+        raise AssertionError("a model was read")
+
+    monkeypatch.setattr(report_mod, "load_model", unreachable)
+    gpt2 = str(zoo / "gpt2")
+    cases = [
+        (["--out", str(tmp_path / "afile")], "exists and is not a folder"),
+        (["--out", str(tmp_path / "other")], "holds files that are not an aniso report"),
+        (["--out", str(tmp_path / "afile" / "sub")], "is not a folder"),
+        (["--gram-rows", "-3"], "--gram-rows -3: need an integer >= 2"),
+        (["--gram-rows", "0"], "--gram-rows 0: need an integer >= 2"),
+        (["--max-tokens", "1"], "--max-tokens 1: need an integer >= 2"),
+        (["--text-file", str(tmp_path / "binary.txt")], "is binary (a NUL byte at offset 9)"),
+        (["--text-file", str(tmp_path / "latin1.txt")], "is not UTF-8 (byte 0xe9 at offset 3)"),
+    ]
+    for args, message in cases:
+        out = [] if "--out" in args else ["--out", str(tmp_path / "o")]
+        code = cli.main(["report", gpt2, *args, *out, "--quiet"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and message in err[0], (args, code, err)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "keep me" and not (tmp_path / "o").exists()
+
+
+def test_plots_without_matplotlib_are_refused_up_front(zoo, tmp_path):
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from aniso_plugins.offline.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    out = tmp_path / "o"
+    p = subprocess.run([sys.executable, "-c", blocker, "report", str(zoo / "gpt2"), "--out", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "plots need matplotlib" in p.stderr and "--no-plots" in p.stderr, p.stderr
+    assert not out.exists()
+
+
+def test_a_reused_out_is_replaced_whole_and_an_interrupted_write_leaves_nothing(zoo, tmp_path, monkeypatch):
+    from aniso_plugins.offline import cli
+
+    out = tmp_path / "o"
+    assert cli.main(["report", str(zoo / "gpt2"), "--out", str(out), "--quiet"]) == 0
+    assert (out / "spectrum.png").read_bytes().startswith(PNG)
+    assert cli.main(["report", str(zoo / "gpt2"), "--out", str(out), "--quiet", "--no-plots"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]  # no stale plot
+    before = (out / "report.json").read_text()
+
+    def interrupted(report, directory):
+        (directory / "spectrum.png").write_bytes(PNG[:4])  # a truncated file, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report_mod, "render_plots", interrupted)
+    assert cli.main(["report", str(zoo / "gpt2"), "--out", str(out), "--quiet"]) == 130
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]  # the earlier report, untouched
+    assert (out / "report.json").read_text() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    fresh = tmp_path / "fresh"
+    assert cli.main(["report", str(zoo / "gpt2"), "--out", str(fresh), "--quiet"]) == 130
+    assert not fresh.exists()

@@ -14,7 +14,9 @@ import os
 import sys
 
 from aniso_plugins.offline.errors import ReportError
-from aniso_plugins.offline.report import analyze
+from aniso_plugins.offline.output import check_output_dir
+from aniso_plugins.offline.render import require_matplotlib
+from aniso_plugins.offline.report import analyze, check_counts
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -48,7 +50,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_before_work(a: argparse.Namespace) -> None:
+    """Every argument and the output location, before any model is read (exit 2 on a bad one)."""
+    check_counts(max_tokens=a.max_tokens, gram_rows=a.gram_rows)
+    check_output_dir(a.out)
+    if not a.no_plots:
+        require_matplotlib()
+    for path, what in ((a.text_file, "text file"), (a.counts_file, "counts file")):
+        if path is not None and not os.path.isfile(path):
+            raise ReportError(f"cannot read the {what} {path}: no such file")
+    for model in a.models:
+        if not os.path.exists(model):
+            raise ReportError(f"MODEL {model}: no such file or directory")
+
+
 def _report(a: argparse.Namespace) -> int:
+    _check_before_work(a)
     post = [x for x in (a.postprocess or "").split(",") if x.strip()]
     report = analyze(
         a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,

@@ -131,12 +131,18 @@ def render_markdown(report: Report) -> str:
     return "\n".join(md) + "\n"
 
 
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend; `ReportError` without matplotlib."""
+def require_matplotlib():
+    """The matplotlib module; `ReportError` without it (checked before any work)."""
     try:
         import matplotlib
     except ImportError:
-        raise ReportError("plots need matplotlib (pip install aniso-plugins[report])") from None
+        raise ReportError("plots need matplotlib: pip install 'aniso-plugins[report]', or pass --no-plots") from None
+    return matplotlib
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend; `ReportError` without matplotlib."""
+    matplotlib = require_matplotlib()
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
@@ -282,4 +288,4 @@ def render_plots(report: Report, directory: Path) -> list[str]:
     return figures.written
 
 
-__all__ = ["PROJECTION_POINTS", "render_markdown", "render_plots"]
+__all__ = ["PROJECTION_POINTS", "render_markdown", "render_plots", "require_matplotlib"]

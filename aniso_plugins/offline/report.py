@@ -39,11 +39,13 @@ from aniso_plugins.offline.analysis import (
     source_geometry,
 )
 from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.output import atomic_directory
 from aniso_plugins.offline.postprocess import make_transform
 from aniso_plugins.offline.render import (
     PROJECTION_POINTS,
     render_markdown,
     render_plots,
+    require_matplotlib,
 )
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
 from aniso_plugins.offline.text_pass import (
@@ -90,12 +92,16 @@ class Report:
         return render_plots(self, Path(directory))
 
     def write(self, directory: str | os.PathLike, plots: bool = True) -> list[str]:
-        """report.json, report.md and (with `plots`) the PNGs into `directory`; returns the paths."""
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "report.json").write_text(self.to_json() + "\n")
-        (d / "report.md").write_text(self.to_markdown())
-        return [str(d / "report.json"), str(d / "report.md")] + (self.plot(d) if plots else [])
+        """report.json, report.md and (with `plots`) the PNGs into `directory`, atomically
+        (`atomic_directory`: an earlier report there is replaced whole, an interrupted write
+        leaves none); returns the paths."""
+        if plots:
+            require_matplotlib()
+        with atomic_directory(directory) as tmp:
+            (tmp / "report.json").write_text(self.to_json() + "\n")
+            (tmp / "report.md").write_text(self.to_markdown())
+            names = ["report.json", "report.md"] + ([Path(p).name for p in self.plot(tmp)] if plots else [])
+        return [str(Path(directory) / n) for n in names]
 
 
 def _progress_factory(enabled: bool):
@@ -115,11 +121,28 @@ def _progress_factory(enabled: bool):
 
 # --- analyze ----------------------------------------------------------------------------------
 def _read_text(path: str | os.PathLike, what: str) -> str:
-    """The UTF-8 text of `path` (undecodable bytes replaced); `ReportError` naming `what`."""
+    """The UTF-8 text of `path`; `ReportError` naming `what` for an unreadable, binary (a NUL
+    byte) or non-UTF-8 file, with the byte offset."""
     try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
+        data = Path(path).read_bytes()
     except OSError as e:
         raise ReportError(f"cannot read the {what} {path}: {e.strerror or e}") from None
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ReportError(f"the {what} {path} is binary (a NUL byte at offset {nul}); give a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ReportError(f"the {what} {path} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                          "convert it, e.g. iconv -t UTF-8") from None
+
+
+def check_counts(*, max_tokens: int, gram_rows: int | None) -> None:
+    """`ReportError` for ``max_tokens`` < 2 or ``gram_rows`` < 2 (None means: exact unless large)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        raise ReportError(f"--max-tokens {max_tokens}: need an integer >= 2")
+    if gram_rows is not None and (isinstance(gram_rows, bool) or not isinstance(gram_rows, int) or gram_rows < 2):
+        raise ReportError(f"--gram-rows {gram_rows}: need an integer >= 2 (leave it out for the exact Gram)")
 
 
 def _texts(text_file, text: str | None, counts_file) -> tuple[str | None, str | None]:
@@ -205,8 +228,7 @@ def analyze(
         raise ReportError("no MODEL given")
     tensors = [tensor] if isinstance(tensor, str) else (list(tensor) if tensor else None)
     text, count_text = _texts(text_file, text, counts_file)
-    if max_tokens < 2:
-        raise ReportError(f"max_tokens={max_tokens}: need at least 2")
+    check_counts(max_tokens=max_tokens, gram_rows=gram_rows)
     bar = _progress_factory(progress)
     transforms = _transforms(postprocess)
     loaded = [
@@ -254,8 +276,8 @@ def write_report(
     )
     if plots:
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+            require_matplotlib()
+        except ReportError:
             plots = False
     return report.write(out_dir, plots=plots)
 

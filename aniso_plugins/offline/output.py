@@ -1,0 +1,65 @@
+"""Where the report goes: the output folder checked before any work, and written atomically
+(a temporary folder beside it, renamed at the end), so an interrupted run leaves nothing that
+looks finished and a re-used folder keeps no file of an earlier run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from aniso_plugins.offline.errors import ReportError
+
+REPORT_FILES = ("report.json", "report.md")
+"""A folder holding only these and PNGs is a report folder that a new report may replace."""
+
+
+def _is_report_folder(path: Path) -> bool:
+    return all(p.name in REPORT_FILES or p.suffix == ".png" for p in path.iterdir()) and any(
+        (path / f).exists() for f in REPORT_FILES
+    )
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """`path` as the output folder, or `ReportError` (before any work) if it is a file, holds
+    files that are not an earlier report, or its parent cannot be written."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out}: exists and is not a folder; choose another path")
+    if out.is_dir() and any(out.iterdir()) and not _is_report_folder(out):
+        raise ReportError(
+            f"--out {out}: the folder holds files that are not an aniso report; choose a new or empty folder"
+        )
+    parent = out.resolve().parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        raise ReportError(f"--out {out}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ReportError(f"--out {out}: cannot write into {existing} (permission denied)")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `path`; when the block ends without an error it
+    becomes `path` (an earlier report there is replaced as a whole), otherwise it is removed."""
+    out = check_output_dir(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+__all__ = ["REPORT_FILES", "atomic_directory", "check_output_dir"]
