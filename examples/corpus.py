@@ -46,6 +46,27 @@ class WordTokenizer:
         return {"input_ids": [self.index.get(w, 0) for w in _TOKEN.findall(text)]}
 
 
+def hf_tokenizer(vocab: list[str]):
+    """The Hugging Face tokenizer of `tokenize` (words and punctuation marks, id by rank,
+    unknown words -> <unk>), so a saved model can be read by ``aniso report --text-file``."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(_TOKEN.pattern), behavior="isolated")]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+
+
+def split_texts(text: str) -> tuple[str, str]:
+    """The training and validation texts of `train_valid`'s 90% / 10% split, as words and
+    punctuation marks joined by spaces (the tokenizers give them the same ids)."""
+    words = _TOKEN.findall(text)
+    split = int(len(words) * 0.9)
+    return " ".join(words[:split]), " ".join(words[split:])
+
+
 class Blocks(torch.utils.data.Dataset):
     """Consecutive blocks of `length` ids as ``{"input_ids", "labels"}`` (labels = inputs; the
     model or the callback shifts them)."""

@@ -4,6 +4,7 @@
     python examples/hf_train.py --method mle          # plain maximum likelihood, for comparison
     python examples/hf_train.py --method cosreg|spectrum|lowrank|hinge|simctg|uniformity|agg+simctg
     python examples/hf_train.py --text-file my.txt    # your own corpus
+    python examples/hf_train.py --output-dir runs/agg # also saves the model, its tokenizer and valid.txt
 
 The default corpus is the help text that ships with every Python (``pydoc_data.topics``,
 ~465k characters) with a word-level vocabulary (examples/corpus.py); nothing is downloaded.
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 import torch
 from comparison import METHODS, add_run_arguments, print_table
-from corpus import train_valid
+from corpus import hf_tokenizer, load_text, split_texts, tokenize, train_valid
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
@@ -67,7 +69,18 @@ def train(method: dict, a: argparse.Namespace, prefix: str = "aniso_hf_", disabl
         trainer.remove_callback(PrinterCallback)
     trainer.train()
     metrics = final_table(trainer, trainer.evaluate())
+    if a.output_dir:  # what `aniso report` reads: the trained model, its tokenizer, the validation text
+        save_for_report(trainer, a, output_dir)
     return trainer, metrics, vocab, len(train_ds) * a.block
+
+
+def save_for_report(trainer: Trainer, a: argparse.Namespace, output_dir: str) -> None:
+    """The final model and the word tokenizer into `output_dir` (a Hugging Face model folder),
+    and the validation text as ``output_dir/valid.txt``."""
+    text = load_text(a.text_file)
+    trainer.save_model(output_dir)
+    hf_tokenizer(tokenize(text, a.vocab_size)[1]).save_pretrained(output_dir)
+    Path(output_dir, "valid.txt").write_text(split_texts(text)[1], encoding="utf-8")
 
 
 def final_table(trainer: Trainer, eval_metrics: dict[str, float]) -> dict[str, float]:

@@ -21,23 +21,12 @@ from pathlib import Path
 
 import torch
 from comparison import METHODS, add_run_arguments
-from corpus import Blocks, load_text, tokenize
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from corpus import Blocks, hf_tokenizer, load_text, split_texts, tokenize
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
 from aniso_plugins.offline.report import analyze
-
-
-def word_tokenizer(vocab: list[str]) -> PreTrainedTokenizerFast:
-    """The HF tokenizer of examples/corpus.tokenize: words and punctuation marks, id by rank."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(r"\w+|[^\w\s]"), behavior="isolated")]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
 
 
 def train(method: str, train_ds, vocab: int, a, out: Path) -> None:
@@ -69,13 +58,10 @@ def main(argv: list[str] | None = None) -> None:
     text = load_text(None)
     ids, vocab = tokenize(text, a.vocab_size)
     split = int(len(ids) * 0.9)
-    tok = word_tokenizer(vocab)
-    # the validation text: the words of the last tenth, re-joined (the tokenizer gives the same ids)
-    import re
-
-    words = re.findall(r"\w+|[^\w\s]", text)
-    (out / "valid.txt").write_text(" ".join(words[split:]), encoding="utf-8")
-    (out / "train.txt").write_text(" ".join(words[:split]), encoding="utf-8")
+    tok = hf_tokenizer(vocab)
+    train_text, valid_text = split_texts(text)
+    (out / "valid.txt").write_text(valid_text, encoding="utf-8")
+    (out / "train.txt").write_text(train_text, encoding="utf-8")
     for method in ("mle", "agg"):
         train(method, Blocks(ids[:split], a.block), len(vocab), a, out)
         tok.save_pretrained(out / method)
