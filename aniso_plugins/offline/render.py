@@ -92,6 +92,27 @@ def _geometry_table(columns: list[tuple[str, dict]]) -> str:
     return _table(["metric"] + [c for c, _ in columns], rows)
 
 
+def _under_trained_markdown(report: Report) -> list[str]:
+    """One table per model of its most suspect under-trained tokens (docs/report.md)."""
+    md: list[str] = []
+    for m in report.models:
+        u = m.get("under_trained")
+        if not u:
+            continue
+        ref = u["reference"]
+        sources = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref["from"].items() if v) or "none known"
+        md += [f"### {m['name']}", "", f"Indicator: {u['indicator']}. Reference tokens (known unused): {ref['size']:,} "
+               f"({sources}). Suspected (score ≥ {u['threshold']}): {_fmt(u['suspected'])}"
+               + ("" if u.get("verified") is None else f"; verified by the repeat test among the listed: {u['verified']}") + ".", ""]
+        verified = any("repeat_probability" in c for c in u["candidates"])
+        header = ["id", "token", "category", "score", "input norm"] + (["p(repeat)"] if verified else [])
+        rows = [[str(c["id"]), f"`{c['token']!s}`".replace("|", "\\|"), c["category"], _fmt(c["score"]), _fmt(c["norm"])]
+                + ([_fmt(c.get("repeat_probability"))] if verified else []) for c in u["candidates"][:20]]
+        md += [_table(header, rows), ""]
+    return (["## Under-trained tokens", "", "Tokens whose rows look like those of tokens the model never trained on "
+             "(Land & Bartolo 2024): higher score = more suspect; p(repeat) < 0.01 verifies one.", ""] + md) if md else []
+
+
 def render_markdown(report: Report) -> str:
     """The report's tables as Markdown."""
     md = ["# Embedding geometry report", ""]
@@ -128,6 +149,7 @@ def render_markdown(report: Report) -> str:
                             for m in with_text] for i in range(n_layers)]
         md += ["### Hidden-state anisotropy (mean cosine of sampled token occurrences, per block)", "",
                _table(["block"] + [m["name"] for m in with_text], rows), ""]
+    md += _under_trained_markdown(report)
     return "\n".join(md) + "\n"
 
 
@@ -269,9 +291,29 @@ def _plot_norm_frequency(plt, with_text: list[dict]):
     return fig
 
 
+def _plot_under_trained(plt, models: list[dict]):
+    """Histogram of the under-trained indicator, reference tokens and the others, per model."""
+    fig, axes = plt.subplots(1, len(models), figsize=(5.0 * len(models), 3.8), squeeze=False, sharey=True)
+    for ax, m in zip(axes[0], models):
+        u = m["under_trained"]
+        score, ref = u["_scores"].double(), u["_reference"]
+        finite = torch.isfinite(score)
+        lo, hi = (float(score[finite].min()), float(score[finite].max())) if finite.any() else (0.0, 1.0)
+        bins = torch.linspace(lo, hi + 1e-9, 41).tolist()
+        ax.hist(score[~ref & finite].tolist(), bins=bins, alpha=0.7, label="other tokens", log=True)
+        if ref.any():
+            ax.hist(score[ref & finite].tolist(), bins=bins, alpha=0.7, label="known unused", log=True)
+            ax.axvline(u["threshold"], color="k", lw=0.8, ls="--", label=f"threshold {u['threshold']}")
+        ax.set_xlabel("score (higher = more like unused)")
+        ax.set_title(m["name"], fontsize=9)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("tokens")
+    return fig
+
+
 def render_plots(report: Report, directory: Path) -> list[str]:
-    """spectrum.png, cosines.png, projection.png and, with a text, layers.png and
-    norm_frequency.png; returns the paths written."""
+    """spectrum.png, cosines.png, projection.png, under_trained.png and, with a text,
+    layers.png and norm_frequency.png; returns the paths written."""
     plt = _pyplot()
     directory.mkdir(parents=True, exist_ok=True)
     figures = _Figures(plt, directory)
@@ -285,6 +327,9 @@ def render_plots(report: Report, directory: Path) -> list[str]:
     if with_text:
         figures.save(_plot_layers(plt, with_text), "layers.png")
         figures.save(_plot_norm_frequency(plt, with_text), "norm_frequency.png")
+    with_under = [m for m in report.models if m.get("under_trained")]
+    if with_under:
+        figures.save(_plot_under_trained(plt, with_under), "under_trained.png")
     return figures.written
 
 

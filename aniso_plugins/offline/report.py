@@ -48,6 +48,7 @@ from aniso_plugins.offline.render import (
     require_matplotlib,
 )
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
+from aniso_plugins.offline.under_trained import find_under_trained
 from aniso_plugins.offline.text_pass import (
     sequence_length,
     text_blocks,
@@ -191,6 +192,10 @@ def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, tran
     if ids is not None:
         entry["text"] = text_pass(lm, ids, batch_size=batch_size, hidden_samples=hidden_samples, progress=bar,
                                   count_ids=count_ids)
+    if lm.kind not in ("tensor", "safetensors") or "head" in lm.matrices:
+        vocab = next(iter(lm.matrices.values())).shape[0]
+        counts = None if count_ids is None else torch.bincount(count_ids.reshape(-1), minlength=vocab)
+        entry["under_trained"] = find_under_trained(lm, counts)
     return entry
 
 

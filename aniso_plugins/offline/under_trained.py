@@ -1,0 +1,131 @@
+"""The report's under-trained token finder (docs/report.md "Under-trained tokens"): Land &
+Bartolo 2024's unembedding indicator (`aniso_plugins.metrics.under_trained.indicator`, the same
+formula as the live metric) over the streamed rows of a checkpoint, the decoded tokens, and for a
+causal LM with its model loaded the repeat test that verifies each candidate.
+
+Reference tokens R (known unused): rows beyond the tokenizer's vocabulary (padding rows), tokens
+whose string names them unused or reserved ("[unused3]", "<|reserved_special_token_5|>"), and,
+with a counts text (``--counts-file``, e.g. the training text), the ids it never contains. With
+no reference the candidates are ranked by the input embedding's row norm instead (lowest first:
+rows that no gradient reached keep their small initial norm, the indicator for encoders).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+
+from aniso_plugins.metrics.geometry.rounds import stat_values, sum_over_blocks
+from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
+from aniso_plugins.metrics.under_trained.indicator import directions, reference_stats, scores
+from aniso_plugins.offline.sources import LoadedModel, MatrixSource
+
+THRESHOLD = 0.5
+"""Suspected: score ≥ this (as ``under_trained_threshold`` of the live metric)."""
+CANDIDATES = 50
+"""Candidates listed per model, most suspect first."""
+REPEAT_PROBABILITY = 0.01
+"""Verified under-trained: the model gives the token less than this probability when asked to
+repeat it (Land & Bartolo's verification threshold)."""
+_RESERVED = re.compile(r"unused|reserved", re.IGNORECASE)
+
+
+def _token_strings(tokenizer: Any, vocab: int) -> list[str | None]:
+    """The token string of every id (None beyond the tokenizer or without one)."""
+    if tokenizer is None:
+        return [None] * vocab
+    n = min(vocab, len(tokenizer))
+    return [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(n)))] + [None] * (vocab - n)
+
+
+def reference_mask(strings: list[str | None], tokenizer: Any, counts: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, int]]:
+    """The (V,) mask of R and how many ids each source gave (a token may come from several)."""
+    v = len(strings)
+    beyond = torch.tensor([s is None for s in strings]) if tokenizer is not None else torch.zeros(v, dtype=torch.bool)
+    named = torch.tensor([s is not None and bool(_RESERVED.search(s)) for s in strings])
+    unseen = counts[:v] == 0 if counts is not None else torch.zeros(v, dtype=torch.bool)
+    sources = {"beyond_tokenizer": int(beyond.sum()), "unused_or_reserved_name": int(named.sum()),
+               "absent_from_counts_text": int(unseen.sum())}
+    return beyond | named | unseen, sources
+
+
+def _category(token: str | None, i: int, special: set[int]) -> str:
+    if token is None:
+        return "beyond_tokenizer"
+    if i in special:
+        return "special"
+    if _RESERVED.search(token):
+        return "unused_or_reserved_name"
+    if "\ufffd" in token:
+        return "partial_utf8"
+    return "normal"
+
+
+def _streamed_scores(source: MatrixSource, reference: torch.Tensor) -> torch.Tensor:
+    """`scores` of every row, the two rounds streamed over row blocks."""
+    blocks = lambda: ((a, b.to(torch.float64)) for a, b in source.blocks(BLOCK_ROWS))  # noqa: E731
+    reduced = stat_values(sum_over_blocks(reference_stats(b, reference[a : a + len(b)]) for a, b in blocks()))
+    c1, r = directions(reduced)
+    return torch.cat([scores(b, c1, r) for _, b in blocks()])
+
+
+def _norms(source: MatrixSource) -> torch.Tensor:
+    return torch.cat([b.to(torch.float64).norm(dim=1) for _, b in source.blocks(BLOCK_ROWS)])
+
+
+def repeat_probabilities(loaded: LoadedModel, ids: list[int], batch: int = 32) -> list[float]:
+    """p(token | "Repeat after me: «token». Again: ") of each of `ids`, the model's own next-token
+    probability of repeating it (1 for a token it has learned to copy, ~0 for one it never saw)."""
+    tok, model = loaded.tokenizer, loaded.model
+    prefix = tok("Repeat after me:", add_special_tokens=False)["input_ids"]
+    infix = tok(". Again:", add_special_tokens=False)["input_ids"]
+    device = next(model.parameters()).device
+    out: list[float] = []
+    with torch.no_grad():
+        for s in range(0, len(ids), batch):
+            chunk = torch.tensor(ids[s : s + batch], device=device)
+            seq = torch.cat([torch.tensor(prefix, device=device).expand(len(chunk), -1), chunk[:, None],
+                             torch.tensor(infix, device=device).expand(len(chunk), -1)], dim=1)
+            logits = model(input_ids=seq).logits[:, -1].float()
+            out += torch.softmax(logits, -1).gather(1, chunk[:, None]).squeeze(1).tolist()
+    return out
+
+
+def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None) -> dict[str, Any]:
+    """``models[i].under_trained`` of the report: the indicator used, R's size by source, the
+    number suspected (score ≥ `THRESHOLD` outside R), counts by category and the `CANDIDATES`
+    most suspect tokens outside R (``id``, ``token``, ``category``, ``score``, ``norm`` and,
+    when verified, ``repeat_probability`` and ``verified``)."""
+    matrix = loaded.matrices.get("head") or loaded.matrices["embedding"]
+    strings = _token_strings(loaded.tokenizer, matrix.shape[0])
+    reference, sources = reference_mask(strings, loaded.tokenizer, counts)
+    norms = _norms(loaded.matrices["embedding"]) if "embedding" in loaded.matrices else _norms(matrix)
+    outside = ~reference
+    if reference.any() and outside.any():
+        indicator, score = f"{matrix.name} cosine to the unused mean (first principal direction removed)", _streamed_scores(matrix, reference)
+        suspected = int((score[outside] >= THRESHOLD).sum())
+    else:
+        indicator, suspected = "input-embedding row norm, lowest first (no reference tokens known)", None
+        score = -(norms - norms[outside].mean()) / norms[outside].std().clamp_min(1e-12) if outside.sum() > 1 else -norms
+    order = [i for i in torch.argsort(score, descending=True).tolist() if outside[i]][:CANDIDATES]
+    special = set(getattr(loaded.tokenizer, "all_special_ids", []) or [])
+    candidates = [{"id": i, "token": strings[i], "category": _category(strings[i], i, special),
+                   "score": float(score[i]), "norm": float(norms[i]) if i < len(norms) else math.nan} for i in order]
+    if loaded.kind == "causal-lm" and loaded.model is not None and loaded.tokenizer is not None and candidates:
+        for c, p in zip(candidates, repeat_probabilities(loaded, [c["id"] for c in candidates])):
+            c["repeat_probability"], c["verified"] = p, p < REPEAT_PROBABILITY
+    by_category: dict[str, int] = {}
+    for c in candidates:
+        by_category[c["category"]] = by_category.get(c["category"], 0) + 1
+    return {
+        "indicator": indicator, "threshold": THRESHOLD, "reference": {"size": int(reference.sum()), "from": sources},
+        "suspected": suspected, "verified": sum(bool(c.get("verified")) for c in candidates) if candidates and "verified" in candidates[0] else None,
+        "candidates_by_category": by_category, "candidates": candidates,
+        "_scores": score, "_reference": reference,
+    }
+
+
+__all__ = ["CANDIDATES", "REPEAT_PROBABILITY", "THRESHOLD", "find_under_trained", "reference_mask", "repeat_probabilities"]

@@ -1,0 +1,83 @@
+"""The report's under-trained token finder on a checkpoint with planted under-trained rows:
+rows beyond the tokenizer (padding, the known-unused reference) and three in-vocabulary tokens
+left where those rows are; the real CLI in a subprocess, the scores against numpy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from test_report import PNG, _text, _tokenizer  # noqa: E402
+from test_under_trained import ref_scores  # noqa: E402
+
+PLANTED = [17, 101, 202]
+PADDING = 24
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("under_trained")
+    text = _text()
+    tok = _tokenizer(text)
+    v = len(tok) + PADDING  # rows beyond the tokenizer: never a token, never trained
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=v, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        w = model.transformer.wte.weight
+        w.copy_(torch.randn(v, 32, generator=g))
+        init = torch.randn(32, generator=g)
+        for rows in (list(range(len(tok), v)), PLANTED):
+            w[rows] = init + 0.02 * torch.randn(len(rows), 32, generator=g)
+        w.add_(torch.randn(v, 1, generator=g) * 3)  # a direction every row shares
+    model.save_pretrained(root / "gpt2")
+    tok.save_pretrained(root / "gpt2")
+    (root / "text.txt").write_text(text[:20_000], encoding="utf-8")
+    return root, model.transformer.wte.weight.detach().double().numpy(), len(tok)
+
+
+def test_report_lists_the_planted_tokens_first_and_verifies_them(checkpoint, tmp_path):
+    root, w, n_tok = checkpoint
+    out = tmp_path / "r"
+    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "report", str(root / "gpt2"), "--text-file",
+                        str(root / "text.txt"), "--max-tokens", "1500", "--out", str(out), "--quiet"],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    u = json.loads((out / "report.json").read_text())["models"][0]["under_trained"]
+    reference = np.arange(len(w)) >= n_tok
+    assert u["reference"] == {"size": PADDING, "from": {"beyond_tokenizer": PADDING, "unused_or_reserved_name": 0,
+                                                        "absent_from_counts_text": 0}}
+    score = ref_scores(w, reference)
+    assert u["suspected"] == int((score[~reference] >= 0.5).sum()) == len(PLANTED)
+    top = u["candidates"][: len(PLANTED)]
+    assert sorted(c["id"] for c in top) == PLANTED
+    for c in u["candidates"]:
+        assert c["score"] == pytest.approx(score[c["id"]], abs=1e-6)
+        assert 0.0 <= c["repeat_probability"] <= 1.0 and c["verified"] == (c["repeat_probability"] < 0.01)
+    assert [c["score"] for c in u["candidates"]] == sorted((c["score"] for c in u["candidates"]), reverse=True)
+    assert top[0]["token"] is not None and top[0]["category"] in ("normal", "special")
+    md = (out / "report.md").read_text()
+    assert "## Under-trained tokens" in md and f"| {top[0]['id']} |" in md
+    assert (out / "under_trained.png").read_bytes().startswith(PNG)
+
+
+def test_without_reference_tokens_candidates_rank_by_the_lowest_input_norm(checkpoint):
+    from aniso_plugins.offline.sources import load_model
+    from aniso_plugins.offline.under_trained import find_under_trained
+
+    root, w, n_tok = checkpoint
+    loaded = load_model(root / "gpt2")
+    loaded.tokenizer = None  # no tokenizer: nothing is known to be unused
+    u = find_under_trained(loaded)
+    assert u["reference"]["size"] == 0 and u["suspected"] is None and "norm" in u["indicator"]
+    norms = np.linalg.norm(w, axis=1)
+    assert [c["id"] for c in u["candidates"][:5]] == np.argsort(norms)[:5].tolist()
