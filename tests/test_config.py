@@ -72,6 +72,7 @@ NON_DEFAULT = dict(
     update_efficiency_positions=16,
     uniformity_rows=64,
     ethayarajh_words=8,
+    group_tokens="seen",
     under_trained_threshold=0.4,
     under_trained_reference_ids=(3,),
     load_entry_points=False,

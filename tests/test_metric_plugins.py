@@ -353,3 +353,16 @@ def test_setup_and_input_errors():
         plugins.eval_batch(torch.zeros(2, 3, V + 1), torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(RuntimeError, match="aniso_setup"):
         AnisoPlugins(config(metrics=("geometry",))).measure(StepInfo(step=1, measure=True))
+
+
+def test_groups_of_the_seen_ids_leave_the_unseen_in_none():
+    from aniso_plugins.metrics.frequency.groups import UNSEEN, frequency_groups
+
+    counts = torch.tensor([5, 0, 3, 0, 9, 1, 1, 0, 2, 7, 4])
+    seen = [k for k in sorted(range(len(counts)), key=lambda k: (-int(counts[k]), k)) if counts[k] > 0]  # 8 ids
+    ref = np.full(len(counts), UNSEEN)
+    ref[seen] = 1
+    ref[seen[:2]] = 2  # round(0.3 · 8) = 2 frequent
+    ref[seen[-2:]] = 0  # round(0.2 · 8) = 2 rare
+    assert frequency_groups(counts, (0.2, 0.5, 0.3), seen_only=True).tolist() == ref.tolist()
+    assert (frequency_groups(counts) != UNSEEN).all()  # the vocabulary form: every id in a group

@@ -105,10 +105,12 @@ def ref_isotropy(w: np.ndarray, center: bool = False) -> float:
 
 
 def ref_groups(counts: np.ndarray) -> np.ndarray:
-    v = len(counts)
-    order = sorted(range(v), key=lambda k: (-counts[k], k))
+    """0 rare / 1 medium / 2 frequent among the ids that occur (20/50/30% of them), 3 for the others."""
+    order = [k for k in sorted(range(len(counts)), key=lambda k: (-counts[k], k)) if counts[k] > 0]
+    v = len(order)
     n_rare, n_freq = math.floor(0.2 * v + 0.5), math.floor(0.3 * v + 0.5)
-    g = np.ones(v, dtype=int)
+    g = np.full(len(counts), 3, dtype=int)
+    g[order] = 1
     g[order[:n_freq]] = 2
     g[order[v - n_rare:]] = 0
     return g
@@ -428,3 +430,24 @@ def test_a_reused_out_is_replaced_whole_and_an_interrupted_write_leaves_nothing(
     fresh = tmp_path / "fresh"
     assert cli.main(["report", str(zoo / "gpt2"), "--out", str(fresh), "--quiet"]) == 130
     assert not fresh.exists()
+
+
+def test_a_small_text_groups_the_ids_it_holds_and_warns_with_the_numbers(zoo, tmp_path):
+    out = tmp_path / "small"
+    r = run_cli(zoo / "gpt2", "--text-file", zoo / "text.txt", "--max-tokens", "40", "--out", out, "--quiet", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    text = json.loads((out / "report.json").read_text())["models"][0]["text"]
+    tok = transformers.AutoTokenizer.from_pretrained(zoo / "gpt2", local_files_only=True)
+    ids = torch.tensor(tok(_text(), add_special_tokens=False)["input_ids"][:40])
+    length = text["sequence_length"]
+    blocks = ids[: len(ids) // length * length].view(-1, length)
+    counts = np.bincount(blocks[:, 1:].reshape(-1).numpy(), minlength=len(tok))
+    seen = int((counts > 0).sum())
+    assert text["distinct_tokens"] == seen and text["unseen_ids"] == len(tok) - seen
+    groups = ref_groups(counts)
+    assert text["group_sizes"] == {g: int((groups == i).sum()) for i, g in enumerate(("rare", "medium", "frequent"))}
+    assert sum(text["group_sizes"].values()) == seen
+    assert text["coverage"] == pytest.approx(seen / len(tok))
+    line = f"holds {seen:,} of the {len(tok):,} ids"
+    assert line in text["warning"] and line in r.stderr and "--counts-file" in r.stderr
+    assert line in (out / "report.md").read_text()

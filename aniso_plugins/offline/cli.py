@@ -71,6 +71,9 @@ def _report(a: argparse.Namespace) -> int:
         a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,
         progress=not a.quiet, gram_rows=a.gram_rows, counts_file=a.counts_file,
     )
+    for m in report.models:
+        if m.get("text", {}).get("warning"):
+            print(f"aniso report: warning: {m['name']}: {m['text']['warning']}", file=sys.stderr)
     paths = report.write(a.out, plots=not a.no_plots)
     if a.json:
         sys.stdout.write(report.to_json() + "\n")

@@ -127,7 +127,8 @@ def render_markdown(report: Report) -> str:
         rows = [
             ["tokens"] + [_fmt(m["text"]["tokens"]) for m in with_text],
             ["sequences × length"] + [f"{m['text']['sequences']} × {m['text']['sequence_length']}" for m in with_text],
-            ["distinct tokens"] + [_fmt(m["text"]["distinct_tokens"]) for m in with_text],
+            ["distinct tokens (share of the vocabulary)"] + [
+                f"{m['text']['distinct_tokens']:,} ({m['text']['coverage']:.1%})" for m in with_text],
         ]
         for g in GROUPS:
             rows.append([f"{g}: ids / share of tokens"] + [
@@ -144,6 +145,7 @@ def render_markdown(report: Report) -> str:
             if any(key in m["text"].get("bottleneck", {}) for m in with_text):
                 rows.append([f"bottleneck {key}"] + [_fmt(m["text"].get("bottleneck", {}).get(key)) for m in with_text])
         md += [_table(["text metric"] + [m["name"] for m in with_text], rows), ""]
+        md += [f"> **{m['name']}**: {m['text']['warning']}" for m in with_text if m["text"].get("warning")]
         n_layers = max(len(m["text"]["hidden_mean_cosine"]) for m in with_text)
         rows = [[str(i)] + [_fmt(m["text"]["hidden_mean_cosine"][i]) if i < len(m["text"]["hidden_mean_cosine"]) else "–"
                             for m in with_text] for i in range(n_layers)]

@@ -90,7 +90,7 @@ def _plugins_for(loaded: LoadedModel, hidden_samples: int):
     reads its input embedding as the head (`_EncoderHandle`)."""
     causal = loaded.kind == "causal-lm"
     metrics = ("frequency", "eval", "hidden", "bottleneck") if causal else ("frequency", "hidden")
-    config = AnisoConfig(metrics=metrics, hidden_samples=hidden_samples, load_entry_points=False)
+    config = AnisoConfig(metrics=metrics, hidden_samples=hidden_samples, group_tokens="seen", load_entry_points=False)
     plugins = AnisoPlugins(config)
     if causal or loaded.kind in ("masked-lm", "seq2seq-lm"):
         handle = OutputEmbeddingsHandle(loaded.model)
@@ -137,10 +137,14 @@ def _count_targets(plugins, count_ids: torch.Tensor, length: int, causal: bool, 
     plugins.load_state_dict({TARGET_COUNTS: {"counts": counts}})
 
 
+LOW_COVERAGE = 0.5
+"""Below this share of the vocabulary occurring in the text, the report warns (groups of few ids)."""
+
+
 def _text_metrics(train: dict, evaluation: dict, counts: torch.Tensor, group_fractions, ids: torch.Tensor,
                   blocks: torch.Tensor, from_counts_text: bool, causal: bool) -> dict[str, Any]:
     """The ``text`` entry of a model from the measured metrics and the target counts."""
-    groups = frequency_groups(counts, group_fractions)
+    groups = frequency_groups(counts, group_fractions, seen_only=True)
     strip = lambda d, p: {k[len("aniso/" + p):]: v for k, v in d.items() if k.startswith("aniso/" + p)}  # noqa: E731
     layers = strip(train, "hidden/")
     out = {
@@ -151,6 +155,8 @@ def _text_metrics(train: dict, evaluation: dict, counts: torch.Tensor, group_fra
         "groups_from": "counts_text" if from_counts_text else "text",
         "distinct_tokens": int((counts > 0).sum()),
         "group_sizes": {g: int((groups == i).sum()) for i, g in enumerate(GROUPS)},
+        "unseen_ids": int((counts == 0).sum()),
+        "coverage": float((counts > 0).sum() / counts.numel()),
         "group_token_share": {
             g: float(counts[groups == i].sum() / counts.sum().clamp_min(1)) for i, g in enumerate(GROUPS)
         },
@@ -159,6 +165,12 @@ def _text_metrics(train: dict, evaluation: dict, counts: torch.Tensor, group_fra
         "_counts": counts,
         "_groups": groups,
     }
+    if out["coverage"] < LOW_COVERAGE:
+        out["warning"] = (
+            f"the {'counts ' if from_counts_text else ''}text holds {out['distinct_tokens']:,} of the {counts.numel():,} ids "
+            f"({out['coverage']:.1%}, below {LOW_COVERAGE:.0%}): the frequency groups are of the ids it holds "
+            f"({out['unseen_ids']:,} ids are in none); give a longer text or --counts-file with the training text"
+        )
     if causal:
         out["eval"] = strip(evaluation, "eval/")
         out["bottleneck"] = strip(train, "bottleneck/")

@@ -96,7 +96,8 @@ class EvalPlugin(Plugin):
         if kind != "eval":
             return None
         nll, tokens, predicted = reduced["eval/nll"], reduced["eval/tokens"], reduced["eval/predicted"]
-        groups = frequency_groups(self.counts.ready().counts, self.config.group_fractions).to(nll.device)
+        groups = frequency_groups(self.counts.ready().counts, self.config.group_fractions,
+                                  seen_only=self.config.group_tokens == "seen").to(nll.device)
         out = {"eval/ppl": _perplexity(nll.sum(), tokens.sum()), "eval/uniq": float(predicted.sum())}
         for index, group in enumerate(GROUPS):
             member = groups == index

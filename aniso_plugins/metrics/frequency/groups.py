@@ -17,8 +17,14 @@ GROUPS = ("rare", "medium", "frequent")
 """Group names; `frequency_groups` returns their indices 0, 1, 2."""
 
 
-def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float] = (0.2, 0.5, 0.3)) -> torch.Tensor:
-    """Group index per token id (0 rare, 1 medium, 2 frequent) from target counts.
+UNSEEN = len(GROUPS)
+"""The group index of ids outside every group (``seen_only``: count 0)."""
+
+
+def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float] = (0.2, 0.5, 0.3),
+                     seen_only: bool = False) -> torch.Tensor:
+    """Group index per token id (0 rare, 1 medium, 2 frequent) from target counts; with
+    `seen_only`, the shares are of the ids with a nonzero count and the others get `UNSEEN`.
 
     Tokens are ordered by count, descending, ties broken by ascending id (a stable sort; with
     no counts yet the split is by id). The first ⌊f_frequent·V + ½⌋ of that order are frequent,
@@ -31,10 +37,13 @@ def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float]
         raise ValueError(
             f"fractions={fractions!r}: expected three shares in (0, 1) summing to 1 (rare, medium, frequent)"
         )
-    v = counts.numel()
-    n_rare, n_freq = math.floor(fractions[0] * v + 0.5), math.floor(fractions[2] * v + 0.5)
     order = torch.sort(counts, descending=True, stable=True).indices
-    groups = torch.ones(v, dtype=torch.long, device=counts.device)
+    groups = torch.ones(counts.numel(), dtype=torch.long, device=counts.device)
+    if seen_only:
+        groups[counts == 0] = UNSEEN
+        order = order[: int((counts > 0).sum())]
+    v = order.numel()
+    n_rare, n_freq = math.floor(fractions[0] * v + 0.5), math.floor(fractions[2] * v + 0.5)
     groups[order[:n_freq]] = 2
     groups[order[v - n_rare :]] = 0
     return groups
@@ -83,4 +92,4 @@ class CumulativeTargetCounts:
         self.counts = counts.to(dtype=torch.long, device=self.counts.device).clone()
 
 
-__all__ = ["CumulativeTargetCounts", "GROUPS", "frequency_groups"]
+__all__ = ["CumulativeTargetCounts", "GROUPS", "UNSEEN", "frequency_groups"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aniso_plugins.core.errors import ConfigError
-from aniso_plugins.core.options import FloatList, Options, list_field
+from aniso_plugins.core.options import FloatList, Options, check_choice, list_field
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,12 @@ class FrequencyOptions(Options):
     group_fractions: FloatList = list_field(0.2, 0.5, 0.3)
     """Rare / medium / frequent shares of the vocabulary for frequency groups (AGG seed)."""
 
+    group_tokens: str = "vocabulary"
+    """Which ids the shares are of: "vocabulary" (all V ids, the AGG paper) or "seen" (the ids
+    counted at least once; the others are in no group). The offline report uses "seen"."""
+
     def validate(self) -> None:
+        check_choice("group_tokens", self.group_tokens, ("vocabulary", "seen"))
         fr = self.group_fractions
         if len(fr) != 3 or any(not (0 < f < 1) for f in fr) or abs(sum(fr) - 1) > 1e-6:
             raise ConfigError(

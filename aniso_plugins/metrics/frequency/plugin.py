@@ -51,7 +51,7 @@ class FrequencyGroupsPlugin(Plugin):
         counter = self.counts.ready()
         lr = local_rows(self.model.head_weight().detach())
         if round_index == 0:
-            self._groups = frequency_groups(counter.counts, self.config.group_fractions)
+            self._groups = frequency_groups(counter.counts, self.config.group_fractions, self.config.group_tokens == "seen")
         mine = self._groups[lr.offset : lr.offset + lr.rows.shape[0]].to(lr.rows.device)
         stats: dict[str, Stat] = {}
         for index, group in enumerate(GROUPS):
