@@ -212,7 +212,7 @@ def test_cli_text_report_two_causal_models_and_an_mlm(zoo, tmp_path):
     assert_pngs(out, ["spectrum.png", "cosines.png", "projection.png", "layers.png", "norm_frequency.png"])
     md = (out / "report.md").read_text()
     assert "| metric | gpt2 · embedding | llama · embedding | llama · head | mlm · embedding |" in md
-    assert "## After whitening" in md and "eval ppl_rare" in md
+    assert "## After whitening" in md and "perplexity of rare targets" in md and "I(W) is not scale-invariant" in md
 
 
 def test_cli_safetensors_file_and_streamed_blocks(zoo, tmp_path, monkeypatch):

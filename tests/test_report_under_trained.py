@@ -77,6 +77,7 @@ def test_without_reference_tokens_candidates_rank_by_the_lowest_input_norm(check
     root, w, n_tok = checkpoint
     loaded = load_model(root / "gpt2")
     loaded.tokenizer = None  # no tokenizer: nothing is known to be unused
+    assert find_under_trained(loaded)["candidates"][0]["category"] == "unknown"
     u = find_under_trained(loaded)
     assert u["reference"]["size"] == 0 and u["suspected"] is None and "norm" in u["indicator"]
     norms = np.linalg.norm(w, axis=1)

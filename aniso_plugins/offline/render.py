@@ -20,24 +20,45 @@ PROJECTION_POINTS = 20000
 
 
 _ROWS = (
-    ("shape", None),
-    ("gram", None),
-    ("mean cosine", ("raw", "mean_cosine")),
-    ("mean cosine (centred)", ("centered", "mean_cosine")),
-    ("I(W)", ("raw", "isotropy")),
-    ("I(W) (centred)", ("centered", "isotropy")),
-    ("effective rank (centred, p∝σ)", ("centered", "effective_rank")),
-    ("effective rank (centred, p∝σ²)", ("centered", "effective_rank_sigma2")),
-    ("effective rank (raw, p∝σ)", ("raw", "effective_rank")),
-    ("spectral saturation (raw)", ("raw", "singular_entropy")),
-    ("σ_max (raw)", ("raw", "sigma_max")),
-    ("σ/σ_max at k/2 (raw)", ("raw", "sv_normalized_q50")),
-    ("top-1 variance share (centred)", ("centered", "variance_share_top1")),
-    ("top-3 variance share (centred)", ("centered", "variance_share_top3")),
-    ("IsoScore", ("isoscore",)),
-    ("mean row norm", ("norm_mean",)),
-    ("non-finite entries", ("nonfinite",)),
+    ("shape", None, "rows × dimension, stored dtype"),
+    ("gram", None, "exact, or the rows sampled for the Gram-based metrics"),
+    ("mean cosine", ("raw", "mean_cosine"), "average cosine of two rows; near 0 is isotropic, toward 1 a narrow cone (degenerate)"),
+    ("mean cosine (centred)", ("centered", "mean_cosine"), "the same after removing the mean row; stays high only if the cone is not just an offset"),
+    ("I(W)", ("raw", "isotropy"), "partition-function isotropy in [0, 1]; 1 isotropic, near 0 degenerate (depends on the rows' scale)"),
+    ("I(W) (centred)", ("centered", "isotropy"), "I(W) of the centred rows"),
+    ("effective rank (centred, p∝σ)", ("centered", "effective_rank"), "dimensions in use, up to the dimension; low is degenerate"),
+    ("effective rank (centred, p∝σ²)", ("centered", "effective_rank_sigma2"), "the same weighting variance (σ²): lower than p∝σ"),
+    ("effective rank (raw, p∝σ)", ("raw", "effective_rank"), "of the raw rows (a common offset takes one dimension)"),
+    ("spectral saturation (raw)", ("raw", "singular_entropy"), "ln k − H(σ/Σσ): 0 for a flat spectrum, larger is more saturated (degenerate)"),
+    ("σ_max (raw)", ("raw", "sigma_max"), "largest singular value"),
+    ("σ/σ_max at k/2 (raw)", ("raw", "sv_normalized_q50"), "the median singular value relative to the largest; near 0 is a spectrum that collapses"),
+    ("top-1 variance share (centred)", ("centered", "variance_share_top1"), "variance along the first principal direction; high is degenerate"),
+    ("top-3 variance share (centred)", ("centered", "variance_share_top3"), "along the first three"),
+    ("IsoScore", ("isoscore",), "uniformity of the variance over the dimensions in [0, 1]; 1 isotropic (scale-free)"),
+    ("mean row norm", ("norm_mean",), "average ‖w_i‖"),
+    ("non-finite entries", ("nonfinite",), "NaN or inf entries; anything but 0 makes the other numbers NaN"),
 )
+
+_EVAL_LABELS = (
+    ("ppl", "perplexity (lower is better)"),
+    *[(f"ppl_{g}", f"perplexity of {g} targets") for g in GROUPS],
+    ("uniq", "Uniq: distinct predicted tokens (higher is more diverse)"),
+    *[(f"uniq_{g}", f"Uniq among {g} tokens (few rare ones: rare tokens never predicted)") for g in GROUPS],
+)
+_BOTTLENECK_LABELS = (
+    ("lost_fraction", "bottleneck: share of the logit gradient the head cannot pass on (higher loses more)"),
+    ("kept_cosine", "bottleneck: cosine of the passed-on and the full logit gradient (1 loses nothing)"),
+    ("tokens", "bottleneck: tokens probed"),
+)
+
+_SCALE_NOTE = (
+    "I(W) is not scale-invariant: it reads exp⟨w_i, a⟩, so rows made longer by a transform (mean row norm "
+    "after it: {norms}) lower it even when the directions become more uniform; compare IsoScore, the effective "
+    "rank and the cosines across transforms."
+)
+
+_ROUND_OFF = 1e-12
+"""Geometry values this close to 0 are floating-point round-off of 0 and shown as 0."""
 
 
 def _fmt(x: Any) -> str:
@@ -72,24 +93,31 @@ def _columns(report: Report) -> list[tuple[str, dict]]:
     return [(f"{m['name']} · {k}", g) for m in report.models for k, g in m["matrices"].items()]
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table, first column left-aligned, the others right-aligned."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], text_last: bool = False) -> str:
+    """A Markdown table, first column left-aligned, the others right-aligned (the last one
+    left-aligned too with `text_last`, for a column of words)."""
+    align = ["---"] + ["---:"] * (len(header) - 1 - text_last) + ["---"] * text_last
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
 
 
+def _geometry_cell(x: Any) -> str:
+    return "0" if isinstance(x, float) and abs(x) < _ROUND_OFF else _fmt(x)
+
+
 def _geometry_table(columns: list[tuple[str, dict]]) -> str:
-    """The `_ROWS` of every column."""
+    """The `_ROWS` of every column, and what each measures."""
     rows = []
-    for label, path in _ROWS:
+    for label, path, meaning in _ROWS:
         if label == "shape":
-            rows.append([label] + [f"{g.get('rows', '?')} × {g.get('dim', '?')} {g.get('dtype', '')}".strip() for _, g in columns])
+            cells = [f"{g.get('rows', '?')} × {g.get('dim', '?')} {g.get('dtype', '')}".strip() for _, g in columns]
         elif label == "gram":
-            rows.append(["Gram"] + [str(g.get("gram", "")) for _, g in columns])
+            cells = [str(g.get("gram", "")) for _, g in columns]
         else:
-            rows.append([label] + [_fmt(_get(g, path)) for _, g in columns])
-    return _table(["metric"] + [c for c, _ in columns], rows)
+            cells = [_geometry_cell(_get(g, path)) for _, g in columns]
+        rows.append([label] + cells + [meaning])
+    return _table(["metric"] + [c for c, _ in columns] + ["what it measures"], rows, text_last=True)
 
 
 def _under_trained_markdown(report: Report) -> list[str]:
@@ -120,7 +148,8 @@ def render_markdown(report: Report) -> str:
     md += ["", "## Geometry", "", _geometry_table(_columns(report)), ""]
     for pname in report.settings.get("postprocess") or []:
         cols = [(c, g["postprocessed"][pname]) for c, g in _columns(report) if pname in g.get("postprocessed", {})]
-        md += [f"## After {pname}", "", _geometry_table(cols), ""]
+        md += [f"## After {pname}", "", _geometry_table(cols), "", _SCALE_NOTE.format(
+            norms=", ".join(f"{c} {_fmt(g.get('norm_mean'))}" for c, g in cols)), ""]
     with_text = [m for m in report.models if "text" in m]
     if with_text:
         md += ["## Text", ""]
@@ -133,17 +162,17 @@ def render_markdown(report: Report) -> str:
         for g in GROUPS:
             rows.append([f"{g}: ids / share of tokens"] + [
                 f"{m['text']['group_sizes'][g]:,} / {m['text']['group_token_share'][g]:.3f}" for m in with_text])
-        for key in ("ppl", *[f"ppl_{g}" for g in GROUPS], "uniq", *[f"uniq_{g}" for g in GROUPS]):
+        for key, label in _EVAL_LABELS:
             if any(key in m["text"].get("eval", {}) for m in with_text):
-                rows.append([f"eval {key}"] + [_fmt(m["text"].get("eval", {}).get(key)) for m in with_text])
+                rows.append([label] + [_fmt(m["text"].get("eval", {}).get(key)) for m in with_text])
         for g in GROUPS:
             for key in ("isotropy", "mean_cosine"):
                 rows.append([f"{g} rows: {'I(W)' if key == 'isotropy' else 'mean cosine'}"] + [
                     _fmt(m["text"]["frequency"].get(f"{g}/{key}")) for m in with_text])
         rows.append(["rare–frequent mean cosine"] + [_fmt(m["text"]["frequency"].get("rare_frequent_cosine")) for m in with_text])
-        for key in ("lost_fraction", "kept_cosine", "tokens"):
+        for key, label in _BOTTLENECK_LABELS:
             if any(key in m["text"].get("bottleneck", {}) for m in with_text):
-                rows.append([f"bottleneck {key}"] + [_fmt(m["text"].get("bottleneck", {}).get(key)) for m in with_text])
+                rows.append([label] + [_fmt(m["text"].get("bottleneck", {}).get(key)) for m in with_text])
         md += [_table(["text metric"] + [m["name"] for m in with_text], rows), ""]
         md += [f"> **{m['name']}**: {m['text']['warning']}" for m in with_text if m["text"].get("warning")]
         n_layers = max(len(m["text"]["hidden_mean_cosine"]) for m in with_text)

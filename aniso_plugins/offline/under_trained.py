@@ -33,28 +33,32 @@ repeat it (Land & Bartolo's verification threshold)."""
 _RESERVED = re.compile(r"unused|reserved", re.IGNORECASE)
 
 
-def _token_strings(tokenizer: Any, vocab: int) -> list[str | None]:
-    """The token string of every id (None beyond the tokenizer or without one)."""
-    if tokenizer is None:
-        return [None] * vocab
+def _token_strings(tokenizer: Any, vocab: int) -> list[str | None] | None:
+    """The token string of every id (None beyond the tokenizer), or None without a tokenizer
+    that can list its tokens (``len`` and ``convert_ids_to_tokens``, as transformers' have)."""
+    if not (hasattr(tokenizer, "convert_ids_to_tokens") and hasattr(tokenizer, "__len__")):
+        return None
     n = min(vocab, len(tokenizer))
     return [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(n)))] + [None] * (vocab - n)
 
 
-def reference_mask(strings: list[str | None], tokenizer: Any, counts: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, int]]:
-    """The (V,) mask of R and how many ids each source gave (a token may come from several)."""
-    v = len(strings)
-    beyond = torch.tensor([s is None for s in strings]) if tokenizer is not None else torch.zeros(v, dtype=torch.bool)
-    named = torch.tensor([s is not None and bool(_RESERVED.search(s)) for s in strings])
+def reference_mask(strings: list[str | None] | None, vocab: int, counts: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, int]]:
+    """The (V,) mask of R and how many ids each source gave (a token may come from several);
+    `strings` None: no tokenizer, only the counts can tell."""
+    v = vocab
+    strings = strings if strings is not None else []
+    beyond = torch.tensor([s is None for s in strings], dtype=torch.bool) if strings else torch.zeros(v, dtype=torch.bool)
+    named = torch.tensor([s is not None and bool(_RESERVED.search(s)) for s in strings], dtype=torch.bool) if strings \
+        else torch.zeros(v, dtype=torch.bool)
     unseen = counts[:v] == 0 if counts is not None else torch.zeros(v, dtype=torch.bool)
     sources = {"beyond_tokenizer": int(beyond.sum()), "unused_or_reserved_name": int(named.sum()),
                "absent_from_counts_text": int(unseen.sum())}
     return beyond | named | unseen, sources
 
 
-def _category(token: str | None, i: int, special: set[int]) -> str:
+def _category(token: str | None, i: int, special: set[int], listed: bool) -> str:
     if token is None:
-        return "beyond_tokenizer"
+        return "beyond_tokenizer" if listed else "unknown"
     if i in special:
         return "special"
     if _RESERVED.search(token):
@@ -100,8 +104,9 @@ def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None) 
     most suspect tokens outside R (``id``, ``token``, ``category``, ``score``, ``norm`` and,
     when verified, ``repeat_probability`` and ``verified``)."""
     matrix = loaded.matrices.get("head") or loaded.matrices["embedding"]
-    strings = _token_strings(loaded.tokenizer, matrix.shape[0])
-    reference, sources = reference_mask(strings, loaded.tokenizer, counts)
+    listed = _token_strings(loaded.tokenizer, matrix.shape[0])
+    reference, sources = reference_mask(listed, matrix.shape[0], counts)
+    strings = listed if listed is not None else [None] * matrix.shape[0]
     norms = _norms(loaded.matrices["embedding"]) if "embedding" in loaded.matrices else _norms(matrix)
     outside = ~reference
     if reference.any() and outside.any():
@@ -112,9 +117,9 @@ def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None) 
         score = -(norms - norms[outside].mean()) / norms[outside].std().clamp_min(1e-12) if outside.sum() > 1 else -norms
     order = [i for i in torch.argsort(score, descending=True).tolist() if outside[i]][:CANDIDATES]
     special = set(getattr(loaded.tokenizer, "all_special_ids", []) or [])
-    candidates = [{"id": i, "token": strings[i], "category": _category(strings[i], i, special),
+    candidates = [{"id": i, "token": strings[i], "category": _category(strings[i], i, special, listed is not None),
                    "score": float(score[i]), "norm": float(norms[i]) if i < len(norms) else math.nan} for i in order]
-    if loaded.kind == "causal-lm" and loaded.model is not None and loaded.tokenizer is not None and candidates:
+    if loaded.kind == "causal-lm" and loaded.model is not None and listed is not None and candidates:
         for c, p in zip(candidates, repeat_probabilities(loaded, [c["id"] for c in candidates])):
             c["repeat_probability"], c["verified"] = p, p < REPEAT_PROBABILITY
     by_category: dict[str, int] = {}
