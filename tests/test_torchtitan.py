@@ -211,6 +211,7 @@ class Run:
         record = torch.load(self.dump, weights_only=False) if os.path.exists(self.dump) else {}
         record["log"] = out
         record["tb"] = _tensorboard(self.folder)
+        record["folder"] = self.folder
         return record
 
 
@@ -578,3 +579,25 @@ def test_document_masking_positions_split_packed_rows_into_their_documents():
     trainer.loss_fn(pred, labels, torch.tensor(12))  # no document masking: each row is one sequence
     assert seen[0][0] is labels  # torchtitan's labels are aligned with the head's outputs already
     assert seen[0][1].tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [0] * 8] and seen[1][1] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["agg", "agg_w2"])  # one rank; two FSDP2 ranks (sharded .distcp files)
+def test_aniso_report_reads_the_dcp_checkpoint_torchtitan_wrote(runs, name, tmp_path):
+    from test_report import ref_mean_cosine
+
+    run = runs[name]
+    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "report", os.path.join(run["folder"], "checkpoint"),
+                        "--out", str(tmp_path / "r"), "--quiet", "--no-plots", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    model = json.loads(p.stdout)["models"][0]
+    steps = sorted(int(s.split("-")[1]) for s in os.listdir(os.path.join(run["folder"], "checkpoint")))
+    assert model["kind"] == "dcp" and model["path"].endswith(f"step-{steps[-1]}")
+    names = {"embedding": "tok_embeddings.weight", "head": "lm_head.weight"}
+    assert set(model["matrices"]) == set(names)
+    for role, param in names.items():
+        w = run["final_params"][param].double().numpy()
+        got = model["matrices"][role]
+        assert (got["rows"], got["dim"]) == w.shape
+        assert got["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w), rel=1e-6, abs=1e-9), role

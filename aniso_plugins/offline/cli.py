@@ -2,6 +2,7 @@
 
     aniso report MODEL [MODEL ...] [--text-file FILE] [--out DIR] [--max-tokens N]
                  [--postprocess centering,whitening] [--tensor NAME] [--quiet] [--json]
+    aniso postprocess MODEL --text-file FILE --transform whitening [--k K] --out DIR
 
 A thin layer over `aniso_plugins.offline.report.analyze`: bad input is one line on stderr
 (``aniso report: error: ...``) and exit code 2; set ANISO_DEBUG=1 for the traceback.
@@ -17,6 +18,7 @@ from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.output import check_output_dir
 from aniso_plugins.offline.render import require_matplotlib
 from aniso_plugins.offline.report import analyze, check_counts
+from aniso_plugins.offline.sentences import fit_sentence_transform
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -31,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Geometry report of one or several models, side by side: report.json, report.md and PNG plots.",
     )
     r.add_argument("models", nargs="+", metavar="MODEL",
-                   help="a local Hugging Face model directory (or checkpoint-N), or a safetensors file")
+                   help="a local Hugging Face model directory (or checkpoint-N), a safetensors file, a Lightning "
+                   ".ckpt, or a torchtitan (DCP) checkpoint folder")
     r.add_argument("--text-file", metavar="FILE", help="UTF-8 text for frequency groups, perplexity, layers, bottleneck")
     r.add_argument("--counts-file", metavar="FILE",
                    help="text (e.g. the training text) whose token counts define the frequency groups; default: --text-file")
@@ -42,11 +45,28 @@ def _parser() -> argparse.ArgumentParser:
                    "rotation, hadamard")
     r.add_argument("--tensor", metavar="NAME", action="append",
                    help="safetensors tensor to report (repeatable); default: the embedding-like 2-D tensors")
+    r.add_argument("--embedding", metavar="NAME",
+                   help="parameter name of the input embedding in a Lightning .ckpt or a DCP checkpoint")
+    r.add_argument("--head", metavar="NAME", help="parameter name of the LM head in a Lightning .ckpt or a DCP checkpoint")
     r.add_argument("--gram-rows", metavar="M", type=int, default=None,
                    help="rows sampled for the Gram-based metrics (default: exact unless 2·V·d² > 2e11 flops)")
     r.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--json", action="store_true", help="also print report.json to stdout")
+    s = sub.add_parser(
+        "postprocess",
+        help="fit a post-processing transform on a model's sentence embeddings and save it",
+        description="Fit a transform (e.g. BERT-whitening) on the pooled sentence embeddings of the text file's "
+        "non-empty lines and save it: transform.safetensors (aniso_plugins.offline.postprocess.load_transform) "
+        "and postprocess.json (geometry before and after).",
+    )
+    s.add_argument("model", metavar="MODEL", help="a local Hugging Face model folder with its tokenizer")
+    s.add_argument("--text-file", metavar="FILE", required=True, help="UTF-8 text, one sentence per line")
+    s.add_argument("--transform", required=True, help="whitening, zca, all_but_the_top (abtt), centering, rotation, hadamard")
+    s.add_argument("--k", type=int, default=None, help="whitening: directions kept; all_but_the_top: directions removed")
+    s.add_argument("--pooling", choices=("mean", "cls"), default=None,
+                   help="default: the model's sentence-transformers pooling, else mean")
+    s.add_argument("--out", metavar="DIR", required=True, help="output folder")
     return p
 
 
@@ -69,7 +89,7 @@ def _report(a: argparse.Namespace) -> int:
     post = [x for x in (a.postprocess or "").split(",") if x.strip()]
     report = analyze(
         a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,
-        progress=not a.quiet, gram_rows=a.gram_rows, counts_file=a.counts_file,
+        progress=not a.quiet, gram_rows=a.gram_rows, counts_file=a.counts_file, embedding=a.embedding, head=a.head,
     )
     for m in report.models:
         if m.get("text", {}).get("warning"):
@@ -82,24 +102,34 @@ def _report(a: argparse.Namespace) -> int:
     return 0
 
 
+def _postprocess(a: argparse.Namespace) -> int:
+    if a.k is not None and a.k < 1:
+        raise ReportError(f"--k {a.k}: need an integer >= 1")
+    for path, what in ((a.model, "MODEL"), (a.text_file, "text file")):
+        if not os.path.exists(path):
+            raise ReportError(f"{what} {path}: no such file or directory")
+    paths = fit_sentence_transform(a.model, a.text_file, a.transform, a.out, k=a.k, pooling=a.pooling)
+    print(f"aniso postprocess: wrote {', '.join(paths)}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "report":
-        try:
-            return _report(args)
-        except ReportError as e:
-            print(f"aniso report: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        except KeyboardInterrupt:
-            print("aniso report: interrupted", file=sys.stderr)
-            return 130
-        except Exception as e:  # anything unexpected: one line, no traceback (ANISO_DEBUG=1 shows it)
-            if os.environ.get("ANISO_DEBUG"):
-                raise
-            text = str(e).strip().splitlines()
-            print(f"aniso report: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
-            return EXIT_ERROR
-    return EXIT_USAGE
+    run = {"report": _report, "postprocess": _postprocess}[args.command]
+    try:
+        return run(args)
+    except ReportError as e:
+        print(f"aniso {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"aniso {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # anything unexpected: one line, no traceback (ANISO_DEBUG=1 shows it)
+        if os.environ.get("ANISO_DEBUG"):
+            raise
+        text = str(e).strip().splitlines()
+        print(f"aniso {args.command}: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

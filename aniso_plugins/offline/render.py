@@ -120,6 +120,21 @@ def _geometry_table(columns: list[tuple[str, dict]]) -> str:
     return _table(["metric"] + [c for c, _ in columns] + ["what it measures"], rows, text_last=True)
 
 
+def _sentences_markdown(report: Report) -> list[str]:
+    """The geometry of the pooled sentence embeddings, raw and after each post-processing."""
+    with_s = [m for m in report.models if "sentences" in m]
+    if not with_s:
+        return []
+    cols = [(f"{m['name']} · {m['sentences']['pooling']} pooling", m["sentences"]["geometry"]) for m in with_s]
+    md = ["## Sentence embeddings", "", "The encoder's pooled vectors of the text's non-empty lines "
+          f"({', '.join(str(m['sentences']['sentences']) for m in with_s)} sentences): the space that "
+          "sentence-embedding post-processing (whitening, all-but-the-top) is for.", "", _geometry_table(cols), ""]
+    for pname in report.settings.get("postprocess") or []:
+        post = [(c, g["postprocessed"][pname]) for c, g in cols if pname in g.get("postprocessed", {})]
+        md += [f"### Sentence embeddings after {pname}", "", _geometry_table(post), ""]
+    return md
+
+
 def _under_trained_markdown(report: Report) -> list[str]:
     """One table per model of its most suspect under-trained tokens (docs/report.md)."""
     md: list[str] = []
@@ -180,6 +195,7 @@ def render_markdown(report: Report) -> str:
                             for m in with_text] for i in range(n_layers)]
         md += ["### Hidden-state anisotropy (mean cosine of sampled token occurrences, per block)", "",
                _table(["block"] + [m["name"] for m in with_text], rows), ""]
+    md += _sentences_markdown(report)
     md += _under_trained_markdown(report)
     return "\n".join(md) + "\n"
 

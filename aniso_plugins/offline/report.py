@@ -39,6 +39,7 @@ from aniso_plugins.offline.analysis import (
     source_geometry,
 )
 from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.text_file import read_text
 from aniso_plugins.offline.output import atomic_directory
 from aniso_plugins.offline.postprocess import make_transform
 from aniso_plugins.offline.render import (
@@ -47,6 +48,7 @@ from aniso_plugins.offline.render import (
     render_plots,
     require_matplotlib,
 )
+from aniso_plugins.offline.sentences import sentence_entry
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
 from aniso_plugins.offline.under_trained import find_under_trained
 from aniso_plugins.offline.text_pass import (
@@ -57,6 +59,8 @@ from aniso_plugins.offline.text_pass import (
 )
 
 FORMAT_VERSION = 1
+SENTENCE_KINDS = ("encoder", "masked-lm")
+"""Model kinds whose pooled sentence embeddings of the text are measured (`sentence_entry`)."""
 
 
 # --- the report -----------------------------------------------------------------------------
@@ -121,23 +125,6 @@ def _progress_factory(enabled: bool):
 
 
 # --- analyze ----------------------------------------------------------------------------------
-def _read_text(path: str | os.PathLike, what: str) -> str:
-    """The UTF-8 text of `path`; `ReportError` naming `what` for an unreadable, binary (a NUL
-    byte) or non-UTF-8 file, with the byte offset."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise ReportError(f"cannot read the {what} {path}: {e.strerror or e}") from None
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise ReportError(f"the {what} {path} is binary (a NUL byte at offset {nul}); give a UTF-8 text file")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ReportError(f"the {what} {path} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
-                          "convert it, e.g. iconv -t UTF-8") from None
-
-
 def check_counts(*, max_tokens: int, gram_rows: int | None) -> None:
     """`ReportError` for ``max_tokens`` < 2 or ``gram_rows`` < 2 (None means: exact unless large)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
@@ -149,12 +136,12 @@ def check_counts(*, max_tokens: int, gram_rows: int | None) -> None:
 def _texts(text_file, text: str | None, counts_file) -> tuple[str | None, str | None]:
     """The evaluated text (`text_file` or `text`) and the counts text (`counts_file`)."""
     if text_file is not None:
-        text = _read_text(text_file, "text file")
+        text = read_text(text_file, "text file")
     count_text = None
     if counts_file is not None:
         if text is None:
             raise ReportError("--counts-file needs --text-file (the groups are used for the text's metrics)")
-        count_text = _read_text(counts_file, "counts file")
+        count_text = read_text(counts_file, "counts file")
     return text, count_text
 
 
@@ -179,6 +166,16 @@ def _unique_names(loaded: list[LoadedModel]) -> None:
             seen[lm.name] = 1
 
 
+def _check_text_source(lm: LoadedModel, text: str | None, tokenizer: Any) -> None:
+    """Give `lm` the caller's `tokenizer` where it has none; refuse a text for a trainer
+    checkpoint (no model to run it through)."""
+    if text is not None and lm.model is None and lm.kind in ("lightning", "dcp"):
+        raise ReportError(f"--text-file needs a Hugging Face model folder; {lm.path} is a {lm.kind} checkpoint "
+                          "(its matrices are reported without a text)")
+    if tokenizer is not None and lm.tokenizer is None:
+        lm.tokenizer = tokenizer
+
+
 def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, transforms, *, max_tokens: int,
                  max_count_tokens: int, gram_rows: int | None, gram_flops: float, batch_size: int,
                  hidden_samples: int, bar) -> dict[str, Any]:
@@ -192,7 +189,10 @@ def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, tran
     if ids is not None:
         entry["text"] = text_pass(lm, ids, batch_size=batch_size, hidden_samples=hidden_samples, progress=bar,
                                   count_ids=count_ids)
-    if lm.kind not in ("tensor", "safetensors") or "head" in lm.matrices:
+    if text is not None and lm.kind in SENTENCE_KINDS:
+        entry["sentences"] = sentence_entry(lm, text, lambda src: source_geometry(
+            src, transforms, gram_rows=gram_rows, gram_flops=gram_flops, progress=bar, block_rows=BLOCK_ROWS))
+    if {"embedding", "head"} & set(lm.matrices):
         vocab = next(iter(lm.matrices.values())).shape[0]
         counts = None if count_ids is None else torch.bincount(count_ids.reshape(-1), minlength=vocab)
         entry["under_trained"] = find_under_trained(lm, counts)
@@ -216,6 +216,8 @@ def analyze(
     hidden_samples: int = 1000,
     counts_file: str | os.PathLike | None = None,
     max_count_tokens: int = 10_000_000,
+    embedding: str | None = None,
+    head: str | None = None,
 ) -> Report:
     """Analyse one or several models (paths, modules or tensors) into one side-by-side `Report`.
 
@@ -225,8 +227,9 @@ def analyze(
     ("centering", "whitening", "zca", "all_but_the_top") or transform objects with
     ``fit``/``transform``. tensor: the safetensors tensor name(s) to read. counts_file: a text
     (e.g. the training text) whose token counts define the rare / medium / frequent groups
-    instead of the text's own (its first `max_count_tokens` tokens). Raises `ReportError` on
-    bad input."""
+    instead of the text's own (its first `max_count_tokens` tokens). embedding / head: the
+    parameter names of the input embedding and the LM head in a Lightning ``.ckpt`` or a DCP
+    checkpoint (found by name otherwise). Raises `ReportError` on bad input."""
     if isinstance(models, (str, os.PathLike, nn.Module, torch.Tensor)):
         models = [models]
     if not models:
@@ -237,14 +240,14 @@ def analyze(
     bar = _progress_factory(progress)
     transforms = _transforms(postprocess)
     loaded = [
-        load_model(m, tensor=tensors, need_model=text is not None, name=(names[i] if names and i < len(names) else None))
+        load_model(m, tensor=tensors, need_model=text is not None, name=(names[i] if names and i < len(names) else None),
+                   embedding=embedding, head=head)
         for i, m in enumerate(models)
     ]
     _unique_names(loaded)
     out = []
     for lm in loaded:
-        if tokenizer is not None and lm.tokenizer is None:
-            lm.tokenizer = tokenizer
+        _check_text_source(lm, text, tokenizer)
         out.append(_model_entry(lm, text, count_text, transforms, max_tokens=max_tokens, max_count_tokens=max_count_tokens,
                                 gram_rows=gram_rows, gram_flops=gram_flops, batch_size=batch_size,
                                 hidden_samples=hidden_samples, bar=bar))

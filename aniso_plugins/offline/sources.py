@@ -2,7 +2,8 @@
 blocks, and one MODEL argument resolved into them (`load_model`): a local Hugging Face model
 directory (loaded offline; its embedding and untied head streamed from safetensors when the
 model itself is not needed), a safetensors file or a directory of them (embedding-like 2-D
-tensors, or ``tensor=NAME``, read with ``safe_open(...).get_slice(name)[a:b]``), or an
+tensors, or ``tensor=NAME``, read with ``safe_open(...).get_slice(name)[a:b]``), a Lightning
+``.ckpt`` or a torchtitan DCP checkpoint folder (`aniso_plugins.offline.checkpoints`), or an
 in-memory ``nn.Module`` / 2-D tensor."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
+from aniso_plugins.offline.checkpoints import dcp_folder, dcp_tensors, lightning_tensors
 from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.errors import one_line as _one_line
 
@@ -323,8 +325,23 @@ def _hf_model(path: Path, label: str, need_model: bool) -> LoadedModel:
     return LoadedModel(label, str(path), kind, matrices, tied, model, tokenizer)
 
 
+def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str | None) -> LoadedModel | None:
+    """A Lightning ``.ckpt`` or a DCP (torchtitan) checkpoint folder; None for anything else."""
+    if path.is_file() and path.suffix == ".ckpt":
+        tensors, tied = lightning_tensors(path, embedding, head)
+        kind = "lightning"
+    elif path.is_dir() and (folder := dcp_folder(path)) is not None:
+        tensors, tied = dcp_tensors(folder, embedding, head)
+        kind, path = "dcp", folder
+    else:
+        return None
+    matrices = {role: MatrixSource.of_tensor(role, t) for role, t in tensors.items()}
+    return LoadedModel(label, str(path), kind, matrices, tied)
+
+
 def load_model(spec: str | os.PathLike | nn.Module | torch.Tensor, *, tensor: Sequence[str] | None = None,
-               need_model: bool = False, name: str | None = None) -> LoadedModel:
+               need_model: bool = False, name: str | None = None, embedding: str | None = None,
+               head: str | None = None) -> LoadedModel:
     """Resolve one MODEL argument (see the module docstring). Raises `ReportError`."""
     if isinstance(spec, (torch.Tensor, nn.Module)):
         return _in_memory(spec, name)
@@ -332,6 +349,9 @@ def load_model(spec: str | os.PathLike | nn.Module | torch.Tensor, *, tensor: Se
     label = _label(path, name)
     if not path.exists():
         raise ReportError(f"no such file or directory: {path}")
+    loaded = _trainer_checkpoint(path, label, embedding, head)
+    if loaded is not None:
+        return loaded
     loaded = _safetensors_model(path, label, tensor)
     return loaded if loaded is not None else _hf_model(path, label, need_model)
 

@@ -1,0 +1,147 @@
+"""Sentence embeddings, the classic use of post-processing (BERT-whitening, Su et al. 2021;
+all-but-the-top, Mu & Viswanath 2018): an encoder's pooled vectors of one text's sentences, their
+geometry before and after each transform (``models[i].sentences`` of the report), and the
+fitted transform saved for reuse (``aniso postprocess``).
+
+Sentences are the text's non-empty lines. Pooling is the model's sentence-transformers pooling
+when its folder has one (``modules.json`` → the Pooling module's ``config.json``: mean or CLS),
+else the mean over the tokens (`aniso_plugins.methods.simcse.contrastive.pool`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aniso_plugins.core.errors import ConfigError
+from aniso_plugins.methods.simcse.contrastive import pool
+from aniso_plugins.metrics.geometry.isoscore import isoscore
+from aniso_plugins.metrics.geometry.stats import effective_rank, mean_cosine
+from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.output import atomic_directory, check_output_dir
+from aniso_plugins.offline.postprocess import AllButTheTop, Whitening, make_transform
+from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
+from aniso_plugins.offline.text_file import read_text
+
+MAX_SENTENCES = 10_000
+"""Sentences embedded per text at most."""
+MAX_LENGTH = 128
+"""Tokens per sentence at most (the rest is cut; fewer where the model has fewer positions)."""
+
+
+def sentences_of(text: str, limit: int = MAX_SENTENCES) -> list[str]:
+    """The first `limit` non-empty lines of `text`, stripped."""
+    return [line.strip() for line in text.splitlines() if line.strip()][:limit]
+
+
+def model_pooling(path: str | Path) -> str:
+    """"cls" or "mean": the sentence-transformers Pooling module's mode in the model folder
+    `path`, "mean" without one."""
+    folder = Path(path)
+    modules = folder / "modules.json"
+    if modules.is_file():
+        for module in json.loads(modules.read_text()):
+            if str(module.get("type", "")).endswith("Pooling"):
+                config = folder / module.get("path", "") / "config.json"
+                if config.is_file() and json.loads(config.read_text()).get("pooling_mode_cls_token"):
+                    return "cls"
+    return "mean"
+
+
+def sentence_embeddings(loaded: LoadedModel, sentences: list[str], pooling: str, batch: int = 32) -> torch.Tensor:
+    """(N, d) float32 pooled last hidden states of `sentences` (the encoder's for an
+    encoder-decoder), in eval mode without gradients."""
+    if loaded.model is None or loaded.tokenizer is None:
+        raise ReportError(f"sentence embeddings need a model folder with its tokenizer; {loaded.path} has none")
+    if len(sentences) < 2:
+        raise ReportError(f"the text gives {len(sentences)} non-empty line(s); sentence embeddings need at least 2")
+    model, tok = loaded.model, loaded.tokenizer
+    seq2seq = getattr(model.config, "is_encoder_decoder", False)
+    encoder = model.get_encoder() if seq2seq else getattr(model, "base_model", model)
+    device = next(model.parameters()).device
+    length = min(MAX_LENGTH, getattr(model.config, "max_position_embeddings", None) or MAX_LENGTH)
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(sentences), batch):
+            ids, mask = _padded([tok(x, truncation=True, max_length=length)["input_ids"] for x in sentences[s : s + batch]])
+            hidden = encoder(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+            out.append(pool(hidden, mask.to(device), pooling).float().cpu())
+    return torch.cat(out)
+
+
+def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows as one (B, T) batch and its attention mask; the padding id is 0 and masked
+    (no pad token needed, which many tokenizers lack)."""
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+    return ids, mask
+
+
+def sentence_entry(loaded: LoadedModel, text: str, geometry: Any) -> dict[str, Any]:
+    """``models[i].sentences``: the pooling, the number of sentences and ``geometry(source)`` of
+    their (N, d) embeddings (the report's matrix geometry, post-processing included)."""
+    pooling = model_pooling(loaded.path)
+    x = sentence_embeddings(loaded, sentences_of(text), pooling)
+    return {"pooling": pooling, "sentences": int(x.shape[0]), "geometry": geometry(MatrixSource.of_tensor("sentences", x))}
+
+
+
+
+def sentence_transform(name: str, k: int | None):
+    """The unfitted transform `name` with `k` kept directions (whitening's k,
+    all-but-the-top's D); `ReportError` for a `k` the transform has no use for."""
+    key = name.strip().lower().replace("-", "_")
+    if k is None:
+        try:
+            return make_transform(name)
+        except ConfigError as e:
+            raise ReportError(str(e)) from None
+    if key == "whitening":
+        return Whitening(k=k)
+    if key in ("all_but_the_top", "abtt"):
+        return AllButTheTop(D=k)
+    raise ReportError(f"--k {k}: only whitening (directions kept) and all_but_the_top (directions removed) take --k")
+
+
+def fit_sentence_transform(model: str | Path, text_file: str | Path, transform: str, out: str | Path, *,
+                           k: int | None = None, pooling: str | None = None) -> list[str]:
+    """``aniso postprocess``: fit `transform` on the pooled sentence embeddings of `text_file`'s
+    lines and write, atomically into `out`, ``transform.safetensors`` (load it with
+    `aniso_plugins.offline.postprocess.load_transform`) and ``postprocess.json`` (the settings
+    and the embeddings' mean cosine, IsoScore and effective rank before and after)."""
+    t = sentence_transform(transform, k)
+    check_output_dir(out)
+    loaded = load_model(model, need_model=True)
+    pooling = pooling or model_pooling(loaded.path)
+    x = sentence_embeddings(loaded, sentences_of(read_text(text_file, "text file")), pooling).double()
+    t.fit(x, distributed=False)
+    y = t.transform(x)
+    summary = {
+        "model": str(model), "text_file": str(text_file), "pooling": pooling, "transform": t.kind, "params": t.params,
+        "sentences": int(x.shape[0]), "dim": int(x.shape[1]), "out_dim": int(y.shape[1]),
+        "before": _summary(x), "after": _summary(y),
+    }
+    with atomic_directory(out) as tmp:
+        t.save(tmp / "transform.safetensors")
+        (tmp / "postprocess.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return [str(Path(out) / "transform.safetensors"), str(Path(out) / "postprocess.json")]
+
+
+def _summary(x: torch.Tensor) -> dict[str, float]:
+    return {"mean_cosine": mean_cosine(x), "isoscore": isoscore(x), "effective_rank": effective_rank(x)}
+
+
+__all__ = [
+    "MAX_LENGTH",
+    "MAX_SENTENCES",
+    "fit_sentence_transform",
+    "model_pooling",
+    "sentence_embeddings",
+    "sentence_entry",
+    "sentence_transform",
+    "sentences_of",
+]

@@ -1,0 +1,88 @@
+"""Sentence embeddings and their post-processing: the report's ``sentences`` geometry of an
+encoder's pooled vectors and ``aniso postprocess`` (the real CLI in a subprocess), against a
+numpy mean pooling written out here and the whitening's defining property (identity
+covariance on the fit sentences)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from aniso_plugins.offline import report as report_mod  # noqa: E402
+from test_report import ref_mean_cosine, zoo  # noqa: E402,F401  (zoo: the tiny models fixture)
+
+
+def ref_embeddings(folder, lines: list[str], pooling: str = "mean") -> np.ndarray:
+    """Each line alone through the encoder (no padding), pooled in numpy float64."""
+    tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = transformers.AutoModel.from_pretrained(folder, local_files_only=True).eval()
+    out = []
+    with torch.no_grad():
+        for line in lines:
+            enc = tok(line, truncation=True, max_length=64, return_tensors="pt")
+            h = model(**enc).last_hidden_state[0].double().numpy()
+            out.append(h[0] if pooling == "cls" else h.mean(0))
+    return np.stack(out)
+
+
+def _lines(zoo) -> list[str]:
+    return [x.strip() for x in (zoo / "text.txt").read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def test_the_report_measures_an_encoders_sentence_embeddings_before_and_after(zoo, tmp_path):
+    text = "\n".join(_lines(zoo)[:300])
+    rep = report_mod.analyze([str(zoo / "mlm")], text=text, progress=False, postprocess=["whitening"], max_tokens=2000)
+    s = rep.models[0]["sentences"]
+    assert s["pooling"] == "mean" and s["sentences"] == 300
+    x = ref_embeddings(zoo / "mlm", _lines(zoo)[:300])
+    assert s["geometry"]["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(x), rel=1e-4)
+    assert s["geometry"]["postprocessed"]["whitening"]["isoscore"] == pytest.approx(1.0, abs=1e-6)
+    md = rep.to_markdown()
+    assert "## Sentence embeddings" in md and "### Sentence embeddings after whitening" in md
+
+
+def test_aniso_postprocess_fits_saves_and_the_saved_whitening_whitens(zoo, tmp_path):
+    lines = _lines(zoo)[:200]
+    (tmp_path / "s.txt").write_text("\n".join(lines), encoding="utf-8")
+    out = tmp_path / "w"
+    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "postprocess", str(zoo / "mlm"), "--text-file",
+                        str(tmp_path / "s.txt"), "--transform", "whitening", "--k", "8", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((out / "postprocess.json").read_text())
+    assert (summary["sentences"], summary["dim"], summary["out_dim"], summary["pooling"]) == (200, 24, 8, "mean")
+    assert summary["after"]["isoscore"] == pytest.approx(1.0, abs=1e-6) and summary["before"]["isoscore"] < 0.9
+    from aniso_plugins.offline.postprocess import load_transform
+
+    t = load_transform(out / "transform.safetensors")
+    y = t.transform(torch.from_numpy(ref_embeddings(zoo / "mlm", lines))).numpy()
+    np.testing.assert_allclose(np.cov(y, rowvar=False), np.eye(8), atol=1e-4)  # whitened: identity covariance
+
+
+def test_sentence_transformers_pooling_and_bad_k(zoo, tmp_path):
+    import shutil
+
+    from aniso_plugins.offline.sentences import model_pooling
+
+    folder = tmp_path / "st"
+    shutil.copytree(zoo / "mlm", folder)
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    assert model_pooling(folder) == "cls" and model_pooling(zoo / "mlm") == "mean"
+    (tmp_path / "s.txt").write_text("\n".join(_lines(zoo)[:50]), encoding="utf-8")
+    base = [sys.executable, "-m", "aniso_plugins.offline.cli", "postprocess", str(folder), "--text-file", str(tmp_path / "s.txt")]
+    p = subprocess.run(base + ["--transform", "centering", "--out", str(tmp_path / "c")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "c" / "postprocess.json").read_text())["pooling"] == "cls"
+    p = subprocess.run(base + ["--transform", "centering", "--k", "4", "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "only whitening (directions kept) and all_but_the_top" in p.stderr and not (tmp_path / "d").exists()
