@@ -86,3 +86,26 @@ def test_sentence_transformers_pooling_and_bad_k(zoo, tmp_path):
     assert json.loads((tmp_path / "c" / "postprocess.json").read_text())["pooling"] == "cls"
     p = subprocess.run(base + ["--transform", "centering", "--k", "4", "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "only whitening (directions kept) and all_but_the_top" in p.stderr and not (tmp_path / "d").exists()
+
+
+def test_a_causal_lms_untied_head_is_centred_into_a_new_checkpoint_with_the_same_probabilities(zoo, tmp_path):
+    out = tmp_path / "centred"
+    base = [sys.executable, "-m", "aniso_plugins.offline.cli", "postprocess"]
+    p = subprocess.run(base + [str(zoo / "llama"), "--transform", "centering", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    old = transformers.AutoModelForCausalLM.from_pretrained(zoo / "llama", local_files_only=True).eval()
+    new = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    w_old, w_new = old.lm_head.weight.detach().double().numpy(), new.lm_head.weight.detach().double().numpy()
+    np.testing.assert_allclose(w_new, w_old - w_old.mean(0), atol=1e-6)  # the rows centred
+    assert np.abs(w_new.mean(0)).max() < 1e-6
+    ids = torch.randint(0, w_old.shape[0], (3, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        lp_old = torch.log_softmax(old(input_ids=ids).logits.double(), -1)
+        lp_new = torch.log_softmax(new(input_ids=ids).logits.double(), -1)
+    assert (lp_new - lp_old).abs().max() < 1e-4 and json.loads((out / "postprocess.json").read_text())["max_logprob_change"] < 1e-4
+    assert (out / "tokenizer.json").exists()
+    for args, message in (([str(zoo / "gpt2"), "--transform", "centering"], "tied to the input embedding"),
+                          ([str(zoo / "llama"), "--transform", "whitening"], "only centering keeps")):
+        p = subprocess.run(base + args + ["--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2 and message in p.stderr, p.stderr

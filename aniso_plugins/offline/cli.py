@@ -58,10 +58,11 @@ def _parser() -> argparse.ArgumentParser:
         help="fit a post-processing transform on a model's sentence embeddings and save it",
         description="Fit a transform (e.g. BERT-whitening) on the pooled sentence embeddings of the text file's "
         "non-empty lines and save it: transform.safetensors (aniso_plugins.offline.postprocess.load_transform) "
-        "and postprocess.json (geometry before and after).",
+        "and postprocess.json (geometry before and after). For a causal LM with an untied head, --transform "
+        "centering writes the centred head as a new model folder (the probabilities do not change).",
     )
     s.add_argument("model", metavar="MODEL", help="a local Hugging Face model folder with its tokenizer")
-    s.add_argument("--text-file", metavar="FILE", required=True, help="UTF-8 text, one sentence per line")
+    s.add_argument("--text-file", metavar="FILE", help="UTF-8 text, one sentence per line (encoders)")
     s.add_argument("--transform", required=True, help="whitening, zca, all_but_the_top (abtt), centering, rotation, hadamard")
     s.add_argument("--k", type=int, default=None, help="whitening: directions kept; all_but_the_top: directions removed")
     s.add_argument("--pooling", choices=("mean", "cls"), default=None,
@@ -106,7 +107,7 @@ def _postprocess(a: argparse.Namespace) -> int:
     if a.k is not None and a.k < 1:
         raise ReportError(f"--k {a.k}: need an integer >= 1")
     for path, what in ((a.model, "MODEL"), (a.text_file, "text file")):
-        if not os.path.exists(path):
+        if path is not None and not os.path.exists(path):
             raise ReportError(f"{what} {path}: no such file or directory")
     paths = fit_sentence_transform(a.model, a.text_file, a.transform, a.out, k=a.k, pooling=a.pooling)
     print(f"aniso postprocess: wrote {', '.join(paths)}", file=sys.stderr)

@@ -107,15 +107,20 @@ def sentence_transform(name: str, k: int | None):
     raise ReportError(f"--k {k}: only whitening (directions kept) and all_but_the_top (directions removed) take --k")
 
 
-def fit_sentence_transform(model: str | Path, text_file: str | Path, transform: str, out: str | Path, *,
+def fit_sentence_transform(model: str | Path, text_file: str | Path | None, transform: str, out: str | Path, *,
                            k: int | None = None, pooling: str | None = None) -> list[str]:
     """``aniso postprocess``: fit `transform` on the pooled sentence embeddings of `text_file`'s
     lines and write, atomically into `out`, ``transform.safetensors`` (load it with
     `aniso_plugins.offline.postprocess.load_transform`) and ``postprocess.json`` (the settings
-    and the embeddings' mean cosine, IsoScore and effective rank before and after)."""
+    and the embeddings' mean cosine, IsoScore and effective rank before and after). A causal LM
+    gets `centered_head_checkpoint` instead."""
     t = sentence_transform(transform, k)
     check_output_dir(out)
     loaded = load_model(model, need_model=True)
+    if loaded.kind == "causal-lm":
+        return centered_head_checkpoint(loaded, t, out)
+    if text_file is None:
+        raise ReportError(f"{model} is a {loaded.kind}: its sentence embeddings need --text-file (one sentence per line)")
     pooling = pooling or model_pooling(loaded.path)
     x = sentence_embeddings(loaded, sentences_of(read_text(text_file, "text file")), pooling).double()
     t.fit(x, distributed=False)
@@ -131,6 +136,35 @@ def fit_sentence_transform(model: str | Path, text_file: str | Path, transform: 
     return [str(Path(out) / "transform.safetensors"), str(Path(out) / "postprocess.json")]
 
 
+def centered_head_checkpoint(loaded: LoadedModel, transform: Any, out: str | Path) -> list[str]:
+    """A causal LM with its untied head's rows centred (w_i − μ), as a new Hugging Face model
+    folder: every logit moves by the same −μ·h, so the probabilities do not change (measured:
+    ``max_logprob_change`` in ``postprocess.json``, on random token ids). Only centring is exact;
+    a tied head would change the input embedding too."""
+    model = loaded.model
+    if transform.kind != "centering":
+        raise ReportError(f"--transform {transform.kind}: for a causal LM only centering keeps the model's probabilities "
+                          "(it writes the centred head as a new checkpoint); the others change the logits")
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or head.weight.data_ptr() == embed.weight.data_ptr():
+        raise ReportError(f"{loaded.path}: the LM head is tied to the input embedding, so centring it would change the "
+                          "inputs too; untie it first (AnisoConfig(head='untie') while training)")
+    ids = torch.randint(0, embed.weight.shape[0], (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
+        mean = head.weight.double().mean(0)
+        head.weight.sub_(mean.to(head.weight.dtype))
+        after = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
+    summary = {"model": loaded.path, "transform": "centering", "head_mean_norm": float(mean.norm()),
+               "max_logprob_change": float((after - before).abs().max())}
+    with atomic_directory(out) as tmp:
+        model.save_pretrained(tmp)
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_pretrained(tmp)
+        (tmp / "postprocess.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return [str(Path(out)), str(Path(out) / "postprocess.json")]
+
+
 def _summary(x: torch.Tensor) -> dict[str, float]:
     return {"mean_cosine": mean_cosine(x), "isoscore": isoscore(x), "effective_rank": effective_rank(x)}
 
@@ -138,6 +172,7 @@ def _summary(x: torch.Tensor) -> dict[str, float]:
 __all__ = [
     "MAX_LENGTH",
     "MAX_SENTENCES",
+    "centered_head_checkpoint",
     "fit_sentence_transform",
     "model_pooling",
     "sentence_embeddings",
