@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from aniso_plugins.metrics.frequency.groups import GROUPS
+from aniso_plugins.metrics.frequency.groups import GROUPS, UNSEEN
 from aniso_plugins.offline.errors import ReportError
 
 if TYPE_CHECKING:
@@ -250,8 +250,8 @@ def _plot_spectrum(plt, cols: list[tuple[str, dict]]):
 def _plot_cosines(plt, cols: list[tuple[str, dict]], postprocess: Sequence[str]):
     """Densities of the pairwise cosines of sampled rows: raw, centred, after each post-processing."""
     panels = [("raw", "cosine_histogram", None), ("centred", "cosine_histogram_centered", None)]
-    panels += [(p, "cosine_histogram", p) for p in postprocess]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    panels += [(p, "cosine_histogram", p) for p in postprocess if p != "centering"]  # "centred" already is it
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharex=True, sharey=True)
     for ax, (title, key, post) in zip(axes[0], panels):
         for label, g in cols:
             src = g if post is None else g.get("postprocessed", {}).get(post)
@@ -273,16 +273,18 @@ def _plot_cosines(plt, cols: list[tuple[str, dict]], postprocess: Sequence[str])
 def _projection_panel(ax, m: dict, k: str, g: dict) -> None:
     """One matrix's rows on its top two singular directions, coloured by frequency group when
     the model has a text."""
-    colors = {0: "tab:red", 1: "tab:orange", 2: "tab:blue"}
+    colors = {0: "tab:red", 1: "tab:orange", 2: "tab:blue", UNSEEN: "lightgrey"}
     xy = g["_projection"]
     gen = torch.Generator().manual_seed(0)
-    pick = torch.randperm(len(xy), generator=gen)[:PROJECTION_POINTS]
+    pick = torch.randperm(len(xy), generator=gen)[:PROJECTION_POINTS]  # a random drawing order: no group hides another
     groups = m.get("text", {}).get("_groups")
     if groups is not None and len(groups) == len(xy):
-        for gi in (1, 2, 0):
-            sel = pick[groups[pick] == gi]
-            ax.scatter(xy[sel, 0], xy[sel, 1], s=3, alpha=0.6, c=colors[gi], label=GROUPS[gi], linewidths=0)
-        ax.legend(fontsize=7, markerscale=3)
+        unseen, seen = pick[groups[pick] == UNSEEN], pick[groups[pick] != UNSEEN]
+        ax.scatter(xy[unseen, 0], xy[unseen, 1], s=2, alpha=0.4, c=colors[UNSEEN], linewidths=0)
+        ax.scatter(xy[seen, 0], xy[seen, 1], s=3, alpha=0.6, c=[colors[int(i)] for i in groups[seen]], linewidths=0)
+        for gi, name in [*enumerate(GROUPS), (UNSEEN, "not in the text")]:  # legend entries only
+            ax.scatter([], [], s=9, c=colors[gi], label=name)
+        ax.legend(fontsize=7)
     else:
         ax.scatter(xy[pick, 0], xy[pick, 1], s=3, alpha=0.5, linewidths=0)
     ax.set_title(f"{m['name']} · {k}", fontsize=9)
@@ -295,7 +297,7 @@ def _plot_projection(plt, items: list[tuple[dict, str, dict]]):
     n = len(items)
     ncols = min(n, 3)
     nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.0 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 4.0 * nrows), squeeze=False, sharex=True, sharey=True)
     for ax in axes.flat[n:]:
         ax.set_visible(False)
     for ax, (m, k, g) in zip(axes.flat, items):
@@ -309,7 +311,10 @@ def _plot_layers(plt, with_text: list[dict]):
     for m in with_text:
         y = m["text"]["hidden_mean_cosine"]
         ax.plot(range(len(y)), y, marker="o", label=m["name"])
-    ax.set_xlabel("block")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("block (0 = the first transformer block's output)")
     ax.set_ylabel("mean cosine of random token occurrences")
     ax.set_title("Hidden-state anisotropy per layer")
     ax.grid(alpha=0.3)
