@@ -98,3 +98,14 @@ def test_no_reference_token_gives_nan_scores():
     out = finish({"suspected": zero, "reference_count": zero, "outside_count": torch.tensor(64.0),
                   "outside_score_sum": zero, "reference_score_sum": zero})
     assert out["reference"] == 0 and math.isnan(out["suspected"]) and math.isnan(out["mean_score"])
+
+
+def test_the_mle_against_agg_script_runs(tmp_path, run_example):
+    out = tmp_path / "ut"
+    run_example("under_trained.py", "--steps", "6", "--seeds", "0", "--vocab-size", "512", "--block", "32",
+                "--batch-size", "8", "--output-dir", str(out))
+    import json
+
+    runs = json.loads((out / "runs.json").read_text())
+    assert [(r["method"], r["seed"]) for r in runs] == [("mle", 0), ("agg", 0)]
+    assert all(r["reference"] >= 0 for r in runs) and "| mle |" in (out / "under_trained.md").read_text()
