@@ -140,3 +140,19 @@ def test_no_method_name_in_the_core_or_the_adapters(module):
     registry names methods."""
     assert METHOD_NAMES >= {"agg", "simcse", "simctg"}
     assert _string_constants(ast.parse(MODULES[module].read_text())) & METHOD_NAMES == set()
+
+
+def test_the_package_imports_its_public_names_on_first_use():
+    """``import aniso_plugins`` (and so the ``aniso`` command's start) loads no torch; every name
+    of ``__all__`` resolves."""
+    import subprocess
+    import sys
+
+    probe = "import sys, aniso_plugins, aniso_plugins.offline.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT).stdout.strip() == "False"
+    import aniso_plugins
+
+    missing = [n for n in aniso_plugins.__all__ if getattr(aniso_plugins, n, None) is None]
+    assert missing == [] and len(aniso_plugins.__all__) > 60
+    with pytest.raises(AttributeError, match="no attribute 'nothere'"):
+        aniso_plugins.nothere  # noqa: B018

@@ -451,3 +451,23 @@ def test_a_small_text_groups_the_ids_it_holds_and_warns_with_the_numbers(zoo, tm
     line = f"holds {seen:,} of the {len(tok):,} ids"
     assert line in text["warning"] and line in r.stderr and "--counts-file" in r.stderr
     assert line in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("delay", [0.3, 1.0, 2.5])
+def test_ctrl_c_at_any_moment_is_one_line_and_no_traceback(zoo, tmp_path, delay):
+    """SIGINT while the interpreter starts, while torch loads, and while the report runs."""
+    import signal
+    import time
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.Popen([sys.executable, "-m", "aniso_plugins.offline.cli", "report", str(zoo / "gpt2"), "--text-file",
+                          str(zoo / "text.txt"), "--out", str(tmp_path / "o"), "--quiet"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert "Traceback" not in err, err
+    assert p.returncode in (130, -signal.SIGINT, 0), (p.returncode, err)  # 0: it finished first
+    if p.returncode == 130:
+        assert err.strip().splitlines()[-1] == "aniso report: interrupted"
+    assert not (tmp_path / "o").exists() or p.returncode == 0

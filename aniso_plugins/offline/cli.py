@@ -15,10 +15,6 @@ import os
 import sys
 
 from aniso_plugins.offline.errors import ReportError
-from aniso_plugins.offline.output import check_output_dir
-from aniso_plugins.offline.render import require_matplotlib
-from aniso_plugins.offline.report import analyze, check_counts
-from aniso_plugins.offline.sentences import fit_sentence_transform
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -71,54 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_before_work(a: argparse.Namespace) -> None:
-    """Every argument and the output location, before any model is read (exit 2 on a bad one)."""
-    check_counts(max_tokens=a.max_tokens, gram_rows=a.gram_rows)
-    check_output_dir(a.out)
-    if not a.no_plots:
-        require_matplotlib()
-    for path, what in ((a.text_file, "text file"), (a.counts_file, "counts file")):
-        if path is not None and not os.path.isfile(path):
-            raise ReportError(f"cannot read the {what} {path}: no such file")
-    for model in a.models:
-        if not os.path.exists(model):
-            raise ReportError(f"MODEL {model}: no such file or directory")
-
-
-def _report(a: argparse.Namespace) -> int:
-    _check_before_work(a)
-    post = [x for x in (a.postprocess or "").split(",") if x.strip()]
-    report = analyze(
-        a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,
-        progress=not a.quiet, gram_rows=a.gram_rows, counts_file=a.counts_file, embedding=a.embedding, head=a.head,
-    )
-    for m in report.models:
-        if m.get("text", {}).get("warning"):
-            print(f"aniso report: warning: {m['name']}: {m['text']['warning']}", file=sys.stderr)
-    paths = report.write(a.out, plots=not a.no_plots)
-    if a.json:
-        sys.stdout.write(report.to_json() + "\n")
-    if not a.quiet:
-        print(f"aniso report: wrote {len(paths)} files to {a.out}", file=sys.stderr)
-    return 0
-
-
-def _postprocess(a: argparse.Namespace) -> int:
-    if a.k is not None and a.k < 1:
-        raise ReportError(f"--k {a.k}: need an integer >= 1")
-    for path, what in ((a.model, "MODEL"), (a.text_file, "text file")):
-        if path is not None and not os.path.exists(path):
-            raise ReportError(f"{what} {path}: no such file or directory")
-    paths = fit_sentence_transform(a.model, a.text_file, a.transform, a.out, k=a.k, pooling=a.pooling)
-    print(f"aniso postprocess: wrote {', '.join(paths)}", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Parse, then run the subcommand; every failure and a Ctrl-C at any point, torch's import
+    included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted)."""
     args = _parser().parse_args(argv)
-    run = {"report": _report, "postprocess": _postprocess}[args.command]
     try:
-        return run(args)
+        from aniso_plugins.offline.commands import COMMANDS  # torch and transformers load here
+
+        return COMMANDS[args.command](args)
     except ReportError as e:
         print(f"aniso {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
