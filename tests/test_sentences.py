@@ -77,8 +77,11 @@ def test_sentence_transformers_pooling_and_bad_k(zoo, tmp_path):
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))  # v2–v5
     assert model_pooling(folder) == "cls" and model_pooling(zoo / "mlm") == "mean"
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))  # v6
+    assert model_pooling(folder) == "mean"
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
     (tmp_path / "s.txt").write_text("\n".join(_lines(zoo)[:50]), encoding="utf-8")
     base = [sys.executable, "-m", "aniso_plugins.offline.cli", "postprocess", str(folder), "--text-file", str(tmp_path / "s.txt")]
     p = subprocess.run(base + ["--transform", "centering", "--out", str(tmp_path / "c")], capture_output=True, text=True, timeout=300)
@@ -109,3 +112,27 @@ def test_a_causal_lms_untied_head_is_centred_into_a_new_checkpoint_with_the_same
                           ([str(zoo / "llama"), "--transform", "whitening"], "only centering keeps")):
         p = subprocess.run(base + args + ["--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
         assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
+def test_a_sentence_transformers_model_gets_the_transform_as_its_last_module(zoo, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    word = Transformer(str(zoo / "mlm"), max_seq_length=64)
+    word.tokenizer.pad_token = "<unk>"  # the zoo tokenizer has no pad token; sentence-transformers pads batches
+    model = st.SentenceTransformer(modules=[word, Pooling(24, "mean")], device="cpu")
+    model.save(str(tmp_path / "st"))
+    lines = _lines(zoo)[:120]
+    (tmp_path / "s.txt").write_text("\n".join(lines), encoding="utf-8")
+    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "postprocess", str(tmp_path / "st"), "--text-file",
+                        str(tmp_path / "s.txt"), "--transform", "whitening", "--k", "6", "--out", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    folder = str(tmp_path / "w" / "sentence_transformer")
+    whitened = st.SentenceTransformer(folder, device="cpu", trust_remote_code=True).encode(lines, convert_to_numpy=True)
+    raw = model.encode(lines, convert_to_numpy=True)
+    from aniso_plugins.offline.postprocess import load_transform
+
+    t = load_transform(tmp_path / "w" / "transform.safetensors")
+    np.testing.assert_allclose(whitened, t.transform(torch.from_numpy(raw)).numpy(), atol=1e-4)
+    np.testing.assert_allclose(np.cov(whitened.astype(np.float64), rowvar=False), np.eye(6), atol=1e-3)

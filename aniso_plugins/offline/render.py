@@ -43,7 +43,8 @@ _EVAL_LABELS = (
     ("ppl", "perplexity (lower is better)"),
     *[(f"ppl_{g}", f"perplexity of {g} targets") for g in GROUPS],
     ("uniq", "Uniq: distinct predicted tokens (higher is more diverse)"),
-    *[(f"uniq_{g}", f"Uniq among {g} tokens (few rare ones: rare tokens never predicted)") for g in GROUPS],
+    *[(f"uniq_{g}", f"Uniq among {g} tokens" + (" (near 0: rare tokens are never predicted)" if g == "rare" else ""))
+      for g in GROUPS],
 )
 _BOTTLENECK_LABELS = (
     ("lost_fraction", "bottleneck: share of the logit gradient the head cannot pass on (higher loses more)"),

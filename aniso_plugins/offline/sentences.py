@@ -38,14 +38,15 @@ def sentences_of(text: str, limit: int = MAX_SENTENCES) -> list[str]:
 
 def model_pooling(path: str | Path) -> str:
     """"cls" or "mean": the sentence-transformers Pooling module's mode in the model folder
-    `path`, "mean" without one."""
+    `path` ("mean" without one, and for the modes this module does not compute: max, last token)."""
     folder = Path(path)
     modules = folder / "modules.json"
     if modules.is_file():
         for module in json.loads(modules.read_text()):
             if str(module.get("type", "")).endswith("Pooling"):
                 config = folder / module.get("path", "") / "config.json"
-                if config.is_file() and json.loads(config.read_text()).get("pooling_mode_cls_token"):
+                cfg = json.loads(config.read_text()) if config.is_file() else {}
+                if cfg.get("pooling_mode") == "cls" or cfg.get("pooling_mode_cls_token"):  # v6 / v2–v5 configs
                     return "cls"
     return "mean"
 
@@ -130,10 +131,29 @@ def fit_sentence_transform(model: str | Path, text_file: str | Path | None, tran
         "sentences": int(x.shape[0]), "dim": int(x.shape[1]), "out_dim": int(y.shape[1]),
         "before": _summary(x), "after": _summary(y),
     }
+    with_module = _sentence_transformers_writer(Path(loaded.path), summary)
     with atomic_directory(out) as tmp:
         t.save(tmp / "transform.safetensors")
+        if with_module is not None:
+            with_module(Path(loaded.path), t, tmp / "sentence_transformer")
         (tmp / "postprocess.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return [str(Path(out) / "transform.safetensors"), str(Path(out) / "postprocess.json")]
+    names = ["transform.safetensors", "postprocess.json"] + (["sentence_transformer"] if with_module else [])
+    return [str(Path(out) / n) for n in names]
+
+
+def _sentence_transformers_writer(folder: Path, summary: dict[str, Any]):
+    """`aniso_plugins.offline.sentence_module.with_transform` for a sentence-transformers model
+    folder when that package is installed (noted in `summary` when it is not), else None."""
+    if not (folder / "modules.json").is_file():
+        return None
+    try:
+        from aniso_plugins.offline.sentence_module import with_transform  # the optional sentence-transformers
+    except ImportError:
+        summary["sentence_transformer"] = "not written: pip install sentence-transformers"
+        return None
+    summary["sentence_transformer"] = ("sentence_transformer/: SentenceTransformer(path, trust_remote_code=True).encode "
+                                       "gives the transformed vectors")
+    return with_transform
 
 
 def centered_head_checkpoint(loaded: LoadedModel, transform: Any, out: str | Path) -> list[str]:
