@@ -471,3 +471,39 @@ def test_ctrl_c_at_any_moment_is_one_line_and_no_traceback(zoo, tmp_path, delay)
     if p.returncode == 130:
         assert err.strip().splitlines()[-1] == "aniso report: interrupted"
     assert not (tmp_path / "o").exists() or p.returncode == 0
+
+
+def test_plots_share_their_axes_and_label_what_they_show(zoo):
+    """cosines.png: 'centering' is the 'centred' panel, not a second one, and the panels share
+    their axes; projection.png: side-by-side panels share axes, every group drawn in one random
+    order; layers.png: integer block ticks and what block 0 is."""
+    from aniso_plugins.offline import render
+
+    rep = report_mod.analyze([str(zoo / "gpt2"), str(zoo / "gpt2")], text=_text()[:20_000], tokenizer=None,
+                             postprocess=["centering", "whitening"], progress=False, max_tokens=1500)
+    plt = render._pyplot()
+    fig = render._plot_cosines(plt, render._columns(rep), rep.settings["postprocess"])
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["pairwise cosines: raw", "pairwise cosines: centred", "pairwise cosines: whitening"]
+    assert all(fig.axes[0].get_shared_y_axes().joined(fig.axes[0], ax) for ax in fig.axes[1:])
+    items = [(m, k, g) for m in rep.models for k, g in m["matrices"].items()]
+    fig = render._plot_projection(plt, items)
+    a, b = fig.axes[:2]
+    assert a.get_shared_x_axes().joined(a, b) and a.get_shared_y_axes().joined(a, b)
+    seen = a.collections[1]  # [0]: ids not in the text; [1]: every group's points in one random order
+    groups = rep.models[0]["text"]["_groups"]
+    assert len(seen.get_offsets()) == int((groups < 3).sum()) and len(set(map(tuple, seen.get_facecolors()))) == 3
+    fig = render._plot_layers(plt, [m for m in rep.models if "text" in m])
+    ax = fig.axes[0]
+    assert "first transformer block" in ax.get_xlabel()
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    plt.close("all")
+
+
+def test_round_off_is_printed_as_zero(zoo, tmp_path):
+    rep = report_mod.analyze([str(zoo / "gpt2")], postprocess=["whitening"], progress=False)
+    sat = rep.models[0]["matrices"]["embedding"]["postprocessed"]["whitening"]["raw"]["singular_entropy"]
+    assert abs(sat) < 1e-12  # a flat spectrum: ln k − H is round-off
+    md = rep.to_markdown()
+    after = md[md.index("## After whitening"):]
+    assert "| spectral saturation (raw) | 0 |" in after
