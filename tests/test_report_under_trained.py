@@ -82,3 +82,17 @@ def test_without_reference_tokens_candidates_rank_by_the_lowest_input_norm(check
     assert u["reference"]["size"] == 0 and u["suspected"] is None and "norm" in u["indicator"]
     norms = np.linalg.norm(w, axis=1)
     assert [c["id"] for c in u["candidates"][:5]] == np.argsort(norms)[:5].tolist()
+
+
+def test_a_sampled_principal_direction_still_finds_the_planted_rows(checkpoint):
+    """Above the report's Gram budget c₁ comes from a uniform row sample (here 200 of 324 rows)."""
+    from aniso_plugins.offline.sources import MatrixSource
+    from aniso_plugins.offline.under_trained import _gram_sample, _streamed_scores
+
+    root, w, n_tok = checkpoint
+    reference = torch.arange(len(w)) >= n_tok
+    budget = 2.0 * 200 * 32 * 32
+    assert int(_gram_sample(len(w), 32, budget).sum()) == 200 and _gram_sample(len(w), 32, 1e12) is None
+    score = _streamed_scores(MatrixSource.of_tensor("embedding", torch.from_numpy(w)), reference, gram_flops=budget)
+    top = torch.argsort(torch.where(reference, torch.tensor(-2.0, dtype=torch.float64), score), descending=True)[:3]
+    assert sorted(top.tolist()) == PLANTED

@@ -21,6 +21,7 @@ import torch
 from aniso_plugins.metrics.geometry.rounds import stat_values, sum_over_blocks
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
 from aniso_plugins.metrics.under_trained.indicator import directions, reference_stats, scores
+from aniso_plugins.offline.analysis import GRAM_FLOPS
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource
 
 THRESHOLD = 0.5
@@ -68,10 +69,26 @@ def _category(token: str | None, i: int, special: set[int], listed: bool) -> str
     return "normal"
 
 
-def _streamed_scores(source: MatrixSource, reference: torch.Tensor) -> torch.Tensor:
-    """`scores` of every row, the two rounds streamed over row blocks."""
+def _gram_sample(v: int, d: int, gram_flops: float) -> torch.Tensor | None:
+    """None (every row) when the d×d Gram of V rows costs at most `gram_flops`, else the bool
+    mask of a uniform sample of max(4d, gram_flops / 2d²) rows (seed 0), as the report's
+    geometry does (docs/report.md)."""
+    if 2.0 * v * d * d <= gram_flops:
+        return None
+    m = min(v, max(4 * d, int(gram_flops / (2.0 * d * d))))
+    mask = torch.zeros(v, dtype=torch.bool)
+    mask[torch.randperm(v, generator=torch.Generator().manual_seed(0))[:m]] = True
+    return mask
+
+
+def _streamed_scores(source: MatrixSource, reference: torch.Tensor, gram_flops: float = GRAM_FLOPS) -> torch.Tensor:
+    """`scores` of every row, the two rounds streamed over row blocks (c₁ from a row sample
+    above `gram_flops`)."""
     blocks = lambda: ((a, b.to(torch.float64)) for a, b in source.blocks(BLOCK_ROWS))  # noqa: E731
-    reduced = stat_values(sum_over_blocks(reference_stats(b, reference[a : a + len(b)]) for a, b in blocks()))
+    sample = _gram_sample(*source.shape, gram_flops)
+    reduced = stat_values(sum_over_blocks(
+        reference_stats(b, reference[a : a + len(b)], gram_rows=None if sample is None else sample[a : a + len(b)])
+        for a, b in blocks()))
     c1, r = directions(reduced)
     return torch.cat([scores(b, c1, r) for _, b in blocks()])
 

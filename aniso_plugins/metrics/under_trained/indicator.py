@@ -25,11 +25,14 @@ from aniso_plugins.numerics.reduce import Stat, reduce_stats
 Reduced = Mapping[str, torch.Tensor]
 
 
-def reference_stats(rows: torch.Tensor, reference: torch.Tensor, prefix: str = "") -> dict[str, Stat]:
+def reference_stats(rows: torch.Tensor, reference: torch.Tensor, prefix: str = "",
+                    gram_rows: torch.Tensor | None = None) -> dict[str, Stat]:
     """Round 0 of this rank's `rows` (V_local, d), `reference` the (V_local,) bool mask of R:
-    `moment_stats` and Σ_{j∈R} u_j, |R| (keys ``reference_sum``, ``reference_count``)."""
+    `moment_stats` (of the rows in the bool mask `gram_rows` only, a uniform sample that
+    estimates c₁ where an exact Gram is too costly) and Σ_{j∈R} u_j, |R| (keys
+    ``reference_sum``, ``reference_count``, always over every row)."""
     picked = rows[reference].to(torch.float64)
-    return moment_stats(rows, prefix) | {
+    return moment_stats(rows if gram_rows is None else rows[gram_rows], prefix) | {
         prefix + "reference_sum": Stat(picked.sum(0)),
         prefix + "reference_count": Stat(torch.tensor(float(picked.shape[0]), dtype=torch.float64, device=rows.device)),
     }
