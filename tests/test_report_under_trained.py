@@ -96,3 +96,18 @@ def test_a_sampled_principal_direction_still_finds_the_planted_rows(checkpoint):
     score = _streamed_scores(MatrixSource.of_tensor("embedding", torch.from_numpy(w)), reference, gram_flops=budget)
     top = torch.argsort(torch.where(reference, torch.tensor(-2.0, dtype=torch.float64), score), descending=True)[:3]
     assert sorted(top.tolist()) == PLANTED
+
+
+def test_a_tokenizer_the_finder_cannot_read_leaves_the_rest_of_the_report(checkpoint, monkeypatch):
+    from aniso_plugins.offline import report as report_mod
+    from aniso_plugins.offline import under_trained
+
+    def broken(*a, **k):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken vocabulary file")
+
+    monkeypatch.setattr(under_trained, "_token_strings", broken)
+    root, w, _ = checkpoint
+    rep = report_mod.analyze([str(root / "gpt2")], progress=False)
+    assert "a broken vocabulary file" in rep.models[0]["under_trained"]["error"]
+    assert rep.models[0]["matrices"]["embedding"]["raw"]["mean_cosine"] is not None
+    assert "Not computed: UnicodeDecodeError" in rep.to_markdown()

@@ -143,6 +143,9 @@ def _under_trained_markdown(report: Report) -> list[str]:
         u = m.get("under_trained")
         if not u:
             continue
+        if "error" in u:
+            md += [f"### {m['name']}", "", f"Not computed: {u['error']}", ""]
+            continue
         ref = u["reference"]
         sources = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref["from"].items() if v) or "none known"
         md += [f"### {m['name']}", "", f"Indicator: {u['indicator']}. Reference tokens (known unused): {ref['size']:,} "
@@ -380,7 +383,7 @@ def render_plots(report: Report, directory: Path) -> list[str]:
     if with_text:
         figures.save(_plot_layers(plt, with_text), "layers.png")
         figures.save(_plot_norm_frequency(plt, with_text), "norm_frequency.png")
-    with_under = [m for m in report.models if m.get("under_trained")]
+    with_under = [m for m in report.models if m.get("under_trained") and "error" not in m["under_trained"]]
     if with_under:
         figures.save(_plot_under_trained(plt, with_under), "under_trained.png")
     return figures.written

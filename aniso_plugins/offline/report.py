@@ -38,7 +38,7 @@ from aniso_plugins.offline.analysis import (
     matrix_geometry,
     source_geometry,
 )
-from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.errors import ReportError, one_line
 from aniso_plugins.offline.text_file import read_text
 from aniso_plugins.offline.output import atomic_directory
 from aniso_plugins.offline.postprocess import make_transform
@@ -195,7 +195,10 @@ def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, tran
     if {"embedding", "head"} & set(lm.matrices):
         vocab = next(iter(lm.matrices.values())).shape[0]
         counts = None if count_ids is None else torch.bincount(count_ids.reshape(-1), minlength=vocab)
-        entry["under_trained"] = find_under_trained(lm, counts)
+        try:  # an auxiliary section: a tokenizer or model it cannot handle leaves the rest of the report
+            entry["under_trained"] = find_under_trained(lm, counts)
+        except Exception as e:
+            entry["under_trained"] = {"error": one_line(e)}
     return entry
 
 
