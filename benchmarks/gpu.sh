@@ -10,7 +10,9 @@
 #
 #   bash benchmarks/gpu.sh                  # CUDA, bf16
 #   bash benchmarks/gpu.sh --device cpu     # smoke mode: the same three runs at tiny sizes on the CPU
+#   PYTHON=/path/to/venv/bin/python bash benchmarks/gpu.sh   # the interpreter to run (default: python3 on PATH)
 set -euo pipefail
+PYTHON="${PYTHON:-python3}"
 cd "$(dirname "$0")"
 DEVICE=cuda
 if [[ "${1:-}" == "--device" ]]; then DEVICE="${2:?--device needs cpu or cuda}"; fi
@@ -29,7 +31,7 @@ else
   echo "gpu.sh: --device must be cuda or cpu, got $DEVICE" >&2
   exit 2
 fi
-python scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section heads --extra-dim 0 \
+"$PYTHON" scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section heads --extra-dim 0 \
   --variants "$PEERS" "${HEADS[@]}"
-python scale.py --device "$DEVICE" --threads "$THREADS" --section counter "${COUNTER[@]}"
-python scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section geometry "${GEOMETRY[@]}"
+"$PYTHON" scale.py --device "$DEVICE" --threads "$THREADS" --section counter "${COUNTER[@]}"
+"$PYTHON" scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section geometry "${GEOMETRY[@]}"

@@ -69,11 +69,16 @@ def test_plain_peak_is_a_few_logits_tensors():
 
 
 @pytest.mark.slow
-def test_gpu_script_smoke_mode_prints_every_table():
+def test_gpu_script_smoke_mode_prints_every_table(tmp_path):
     """`bash benchmarks/gpu.sh --device cpu`: the three GPU runs at tiny sizes; the GPU-only
     peers are skipped with their reason, not crashed."""
+    fake = tmp_path / "bin"  # a `python` first on PATH that is not this interpreter: the script must not use it
+    fake.mkdir()
+    (fake / "python").write_text("#!/bin/sh\nexit 97\n")
+    (fake / "python").chmod(0o755)
+    env = {**ENV, "PYTHON": sys.executable, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", os.path.join(BENCH, "gpu.sh"), "--device", "cpu"], check=False, capture_output=True,
-                          text=True, env=ENV, timeout=900)  # fmt: skip
+                          text=True, env=env, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout
     for title in ("### Head + loss", "Peak extra memory", "Time:", "Peer target", "### Token counter", "### Geometry"):
