@@ -90,8 +90,6 @@ def sentence_entry(loaded: LoadedModel, text: str, geometry: Any) -> dict[str, A
     return {"pooling": pooling, "sentences": int(x.shape[0]), "geometry": geometry(MatrixSource.of_tensor("sentences", x))}
 
 
-
-
 def sentence_transform(name: str, k: int | None):
     """The unfitted transform `name` with `k` kept directions (whitening's k,
     all-but-the-top's D); `ReportError` for a `k` the transform has no use for."""
