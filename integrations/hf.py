@@ -242,10 +242,6 @@ class AnisoCallback(TrainerCallback):
             setattr(trainer, name, wrapper)
 
     # --- what both routes call (the callback's wrappers, AnisoTrainerMixin's overrides) -----------
-    def before_training_step(self, inputs: dict[str, Any]) -> None:
-        """A training micro-batch is about to run: announce its targets to the session."""
-        self._begin_micro_batch(inputs)
-
     def supplying(self, model: nn.Module) -> bool:
         """Whether this training micro-batch trains on the plugins' supplied loss (label-free)."""
         return model.training and self._supplying
@@ -301,7 +297,8 @@ class AnisoCallback(TrainerCallback):
             else:
                 model.__dict__["generate"] = own
 
-    def _begin_micro_batch(self, inputs: dict[str, Any]) -> None:
+    def before_training_step(self, inputs: dict[str, Any]) -> None:
+        """A training micro-batch is about to run: announce its targets to the session."""
         read = self._rule.read(inputs, self.config.ignore_index)
         input_ids = inputs.get("input_ids")
         self._supplying = read.targets is None and self.session.supplies_loss and input_ids is not None

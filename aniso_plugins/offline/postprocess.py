@@ -342,12 +342,25 @@ BY_NAME: dict[str, Callable[[], Transform]] = {
 """The names ``aniso report --postprocess`` accepts -> an unfitted transform with defaults."""
 
 
-def make_transform(name: str) -> Transform:
-    """The unfitted transform called `name` (`BY_NAME`; case and ``-``/``_`` ignored)."""
+WITH_K: dict[str, Callable[[int], Transform]] = {
+    "whitening": lambda k: Whitening(k=k),
+    "all_but_the_top": lambda k: AllButTheTop(D=k),
+    "abtt": lambda k: AllButTheTop(D=k),
+}
+"""The names that take a number of directions `k`: whitening keeps k, all-but-the-top removes k."""
+
+
+def make_transform(name: str, k: int | None = None) -> Transform:
+    """The unfitted transform called `name` (`BY_NAME`; case and ``-``/``_`` ignored), with `k`
+    directions where it takes them (`WITH_K`)."""
     key = name.strip().lower().replace("-", "_")
     if key not in BY_NAME:
         raise ConfigError(f"unknown post-processing {name!r}: expected one of {', '.join(sorted(BY_NAME))}")
-    return BY_NAME[key]()
+    if k is None:
+        return BY_NAME[key]()
+    if key not in WITH_K:
+        raise ConfigError(f"--k {k}: only whitening (directions kept) and all_but_the_top (directions removed) take --k")
+    return WITH_K[key](k)
 
 
 def load_transform(path: str | os.PathLike) -> Transform:
@@ -362,6 +375,7 @@ __all__ = [
     "DEFAULT_EPS",
     "Rotation",
     "TRANSFORMS",
+    "WITH_K",
     "Transform",
     "TransformModule",
     "Whitening",

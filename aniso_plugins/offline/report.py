@@ -196,7 +196,8 @@ def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, tran
         vocab = next(iter(lm.matrices.values())).shape[0]
         counts = None if count_ids is None else torch.bincount(count_ids.reshape(-1), minlength=vocab)
         try:  # an auxiliary section: a tokenizer or model it cannot handle leaves the rest of the report
-            entry["under_trained"] = find_under_trained(lm, counts)
+            norms = entry["matrices"].get("embedding", {}).get("_norms")  # from the geometry pass
+            entry["under_trained"] = find_under_trained(lm, counts, norms)
         except Exception as e:
             entry["under_trained"] = {"error": one_line(e)}
     return entry

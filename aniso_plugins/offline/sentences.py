@@ -21,7 +21,7 @@ from aniso_plugins.metrics.geometry.isoscore import isoscore
 from aniso_plugins.metrics.geometry.stats import effective_rank, mean_cosine
 from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.output import atomic_directory, check_output_dir
-from aniso_plugins.offline.postprocess import AllButTheTop, Whitening, make_transform
+from aniso_plugins.offline.postprocess import make_transform
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
 from aniso_plugins.offline.text_file import read_text
 
@@ -90,22 +90,6 @@ def sentence_entry(loaded: LoadedModel, text: str, geometry: Any) -> dict[str, A
     return {"pooling": pooling, "sentences": int(x.shape[0]), "geometry": geometry(MatrixSource.of_tensor("sentences", x))}
 
 
-def sentence_transform(name: str, k: int | None):
-    """The unfitted transform `name` with `k` kept directions (whitening's k,
-    all-but-the-top's D); `ReportError` for a `k` the transform has no use for."""
-    key = name.strip().lower().replace("-", "_")
-    if k is None:
-        try:
-            return make_transform(name)
-        except ConfigError as e:
-            raise ReportError(str(e)) from None
-    if key == "whitening":
-        return Whitening(k=k)
-    if key in ("all_but_the_top", "abtt"):
-        return AllButTheTop(D=k)
-    raise ReportError(f"--k {k}: only whitening (directions kept) and all_but_the_top (directions removed) take --k")
-
-
 def fit_sentence_transform(model: str | Path, text_file: str | Path | None, transform: str, out: str | Path, *,
                            k: int | None = None, pooling: str | None = None) -> list[str]:
     """``aniso postprocess``: fit `transform` on the pooled sentence embeddings of `text_file`'s
@@ -113,7 +97,10 @@ def fit_sentence_transform(model: str | Path, text_file: str | Path | None, tran
     `aniso_plugins.offline.postprocess.load_transform`) and ``postprocess.json`` (the settings
     and the embeddings' mean cosine, IsoScore and effective rank before and after). A causal LM
     gets `centered_head_checkpoint` instead."""
-    t = sentence_transform(transform, k)
+    try:
+        t = make_transform(transform, k)
+    except ConfigError as e:
+        raise ReportError(str(e)) from None
     check_output_dir(out)
     loaded = load_model(model, need_model=True)
     if loaded.kind == "causal-lm":
@@ -195,6 +182,5 @@ __all__ = [
     "model_pooling",
     "sentence_embeddings",
     "sentence_entry",
-    "sentence_transform",
     "sentences_of",
 ]

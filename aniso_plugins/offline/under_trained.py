@@ -115,16 +115,20 @@ def repeat_probabilities(loaded: LoadedModel, ids: list[int], batch: int = 32) -
     return out
 
 
-def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None) -> dict[str, Any]:
+def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None,
+                       norms: torch.Tensor | None = None) -> dict[str, Any]:
     """``models[i].under_trained`` of the report: the indicator used, R's size by source, the
     number suspected (score ≥ `THRESHOLD` outside R), counts by category and the `CANDIDATES`
     most suspect tokens outside R (``id``, ``token``, ``category``, ``score``, ``norm`` and,
-    when verified, ``repeat_probability`` and ``verified``)."""
+    when verified, ``repeat_probability`` and ``verified``). `norms`: the input embedding's row
+    norms when the caller has them (the report's geometry pass), else read here."""
     matrix = loaded.matrices.get("head") or loaded.matrices["embedding"]
     listed = _token_strings(loaded.tokenizer, matrix.shape[0])
     reference, sources = reference_mask(listed, matrix.shape[0], counts)
     strings = listed if listed is not None else [None] * matrix.shape[0]
-    norms = _norms(loaded.matrices["embedding"]) if "embedding" in loaded.matrices else _norms(matrix)
+    if norms is None:
+        norms = _norms(loaded.matrices["embedding"] if "embedding" in loaded.matrices else matrix)
+    norms = norms.to(torch.float64)
     outside = ~reference
     if reference.any() and outside.any():
         indicator, score = f"{matrix.name} cosine to the unused mean (first principal direction removed)", _streamed_scores(matrix, reference)
