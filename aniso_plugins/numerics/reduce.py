@@ -9,7 +9,7 @@ Without torch.distributed the statistics pass through unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal, NamedTuple
 
 import torch
@@ -74,4 +74,33 @@ def reduce_stats(stats: Mapping[str, Stat], group: dist.ProcessGroup | None = No
     return out
 
 
-__all__ = ["Stat", "ReduceOp", "reduce_stats"]
+def combine_stats(acc: dict[str, Stat], part: Mapping[str, Stat]) -> None:
+    """Sum (or log-sum-exp, max, min) `part` into `acc` in place, as `reduce_stats` combines
+    ranks: the statistics of two row blocks give those of their union."""
+    for k, s in part.items():
+        if k not in acc:
+            acc[k] = Stat(s.value.clone(), s.op)
+        elif s.op == "sum":
+            acc[k] = Stat(acc[k].value + s.value, "sum")
+        elif s.op == "lse":
+            acc[k] = Stat(torch.logaddexp(acc[k].value, s.value), "lse")
+        elif s.op == "max":
+            acc[k] = Stat(torch.maximum(acc[k].value, s.value), "max")
+        else:
+            acc[k] = Stat(torch.minimum(acc[k].value, s.value), "min")
+
+
+def sum_over_blocks(parts: Iterable[Mapping[str, Stat]]) -> dict[str, Stat]:
+    """The statistics of all blocks together: `combine_stats` of `parts`, in order."""
+    acc: dict[str, Stat] = {}
+    for part in parts:
+        combine_stats(acc, part)
+    return acc
+
+
+def stat_values(stats: Mapping[str, Stat]) -> dict[str, torch.Tensor]:
+    """The tensors of statistics that need no further reduction (one process, blocks summed)."""
+    return {k: s.value for k, s in stats.items()}
+
+
+__all__ = ["ReduceOp", "Stat", "combine_stats", "reduce_stats", "stat_values", "sum_over_blocks"]

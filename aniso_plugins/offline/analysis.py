@@ -20,15 +20,9 @@ from typing import Any
 
 import torch
 
-from aniso_plugins.metrics.geometry.rounds import (
-    GeometryRounds,
-    combine_stats,
-    measure_geometry,
-    stat_values,
-    sum_over_blocks,
-)
+from aniso_plugins.metrics.geometry.rounds import GeometryRounds, measure_geometry
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
-from aniso_plugins.numerics.reduce import Stat
+from aniso_plugins.numerics.reduce import Stat, combine_stats, stat_values, sum_over_blocks
 from aniso_plugins.offline.outliers import outlier_stats
 from aniso_plugins.offline.sources import MatrixSource
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from aniso_plugins.metrics.geometry.rounds import stat_values, sum_over_blocks
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
 from aniso_plugins.metrics.under_trained.indicator import directions, reference_stats, scores
+from aniso_plugins.numerics.reduce import stat_values, sum_over_blocks
 from aniso_plugins.offline.analysis import GRAM_FLOPS
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource
 

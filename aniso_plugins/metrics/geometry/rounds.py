@@ -12,12 +12,12 @@ sum. A `GeometryRounds` says what each round needs (`start`, `stats`) and finish
   `reduce_stats` over the ranks, batched with every other plugin's statistics;
 - `isotropy`: `measure_geometry` with this rank's rows and `reduce_stats`;
 - the report: `measure_geometry` with one streamed pass over row blocks per round, the blocks'
-  statistics summed by `sum_over_blocks` exactly as `reduce_stats` sums ranks.
+  statistics summed by `aniso_plugins.numerics.reduce.sum_over_blocks` exactly as `reduce_stats` sums ranks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,36 +43,6 @@ FORMS = ("raw", "centered")
 """The two forms of the matrix: W, and W − 1μᵀ (μ the mean row)."""
 
 Reduced = Mapping[str, torch.Tensor]
-
-
-# --- combining statistics over row blocks ----------------------------------------------------
-def combine_stats(acc: dict[str, Stat], part: Mapping[str, Stat]) -> None:
-    """Sum (or log-sum-exp, max, min) `part` into `acc` in place, as `reduce_stats` combines
-    ranks: the statistics of two row blocks give those of their union."""
-    for k, s in part.items():
-        if k not in acc:
-            acc[k] = Stat(s.value.clone(), s.op)
-        elif s.op == "sum":
-            acc[k] = Stat(acc[k].value + s.value, "sum")
-        elif s.op == "lse":
-            acc[k] = Stat(torch.logaddexp(acc[k].value, s.value), "lse")
-        elif s.op == "max":
-            acc[k] = Stat(torch.maximum(acc[k].value, s.value), "max")
-        else:
-            acc[k] = Stat(torch.minimum(acc[k].value, s.value), "min")
-
-
-def sum_over_blocks(parts: Iterable[Mapping[str, Stat]]) -> dict[str, Stat]:
-    """The statistics of all blocks together: `combine_stats` of `parts`, in order."""
-    acc: dict[str, Stat] = {}
-    for part in parts:
-        combine_stats(acc, part)
-    return acc
-
-
-def stat_values(stats: Mapping[str, Stat]) -> dict[str, torch.Tensor]:
-    """The tensors of statistics that need no further reduction (one process, blocks summed)."""
-    return {k: s.value for k, s in stats.items()}
 
 
 # --- the two rounds ----------------------------------------------------------------------------
@@ -212,9 +182,6 @@ def isotropy(weight: torch.Tensor, center: bool = False, both_signs: bool = Fals
 __all__ = [
     "FORMS",
     "GeometryRounds",
-    "combine_stats",
     "isotropy",
     "measure_geometry",
-    "stat_values",
-    "sum_over_blocks",
 ]
