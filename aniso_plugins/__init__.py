@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aniso_plugins.core.version import __version__
 
 _EXPORTS: dict[str, str] = {
-    "AGGForward": "aniso_plugins.methods.agg.head",
+    "TrainingHead": "aniso_plugins.methods.fused_loss.head",
     "AGGGates": "aniso_plugins.methods.agg.gates",
     "AllButTheTop": "aniso_plugins.offline.postprocess",
     "AnisoConfig": "aniso_plugins.core.config",
@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Transform": "aniso_plugins.offline.postprocess",
     "TransformModule": "aniso_plugins.offline.postprocess",
     "Whitening": "aniso_plugins.offline.postprocess",
-    "agg_cross_entropy": "aniso_plugins.methods.agg.fused_ce",
+    "agg_cross_entropy": "aniso_plugins.methods.fused_loss.cross_entropy",
     "agg_gates": "aniso_plugins.methods.agg.gates",
     "agg_linear": "aniso_plugins.methods.agg.gates",
     "alignment_of": "aniso_plugins.core.targets",
@@ -107,9 +107,9 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.steps import RunInfo, StepInfo
     from aniso_plugins.core.targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
     from aniso_plugins.methods.agg.counter import SlidingTokenCounter
-    from aniso_plugins.methods.agg.fused_ce import agg_cross_entropy
+    from aniso_plugins.methods.fused_loss.cross_entropy import agg_cross_entropy
     from aniso_plugins.methods.agg.gates import AGGGates, agg_gates, agg_linear
-    from aniso_plugins.methods.agg.head import AGGForward
+    from aniso_plugins.methods.fused_loss.head import TrainingHead
     from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
     from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
     from aniso_plugins.methods.simcse.contrastive import SimCSECollator
@@ -147,7 +147,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
 
 __all__ = [
     "__version__",
-    "AGGForward",
+    "TrainingHead",
     "AGGGates",
     "AllButTheTop",
     "AnisoConfig",

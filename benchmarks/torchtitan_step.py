@@ -13,7 +13,7 @@ per step, logged every step), median over the steps after the first two, minimum
 over rounds. Variants (``--aniso.metrics`` empty: methods only):
 
 - none: ``--aniso.method none``, the stock torchtitan computation (tests/test_torchtitan.py);
-- agg: AGG as the fused chunked cross-entropy that the AGG head (`AGGForward`) returns (the default here);
+- agg: AGG as the fused chunked cross-entropy that the AGG head (`TrainingHead`) returns (the default here);
 - agg_unfused: AGG by the core's gated head on each of torchtitan's 8 logit chunks.
 """
 
@@ -35,7 +35,7 @@ sys.path.insert(0, TESTS)
 VARIANTS = {
     "none": ["--aniso.method", "none"],
     "agg": ["--aniso.method", "agg", "--aniso.window", "100"],
-    "agg_unfused": ["--aniso.method", "agg", "--aniso.window", "100", "--aniso.no-agg-fused"],
+    "agg_unfused": ["--aniso.method", "agg", "--aniso.window", "100", "--aniso.fused-loss", "False"],
 }
 
 

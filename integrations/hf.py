@@ -51,11 +51,13 @@ import torch
 from torch import nn
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
+from aniso_plugins.core.causal_loss import FusedLabelSmoother, install_fused_causal_loss, why_loss_is_not_reproduced
 from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
 
 try:
     from transformers import PreTrainedModel, Trainer, TrainerCallback
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.trainer import TRAINER_STATE_NAME
     from transformers.trainer_callback import DefaultFlowCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, get_last_checkpoint
@@ -182,7 +184,14 @@ class AnisoCallback(TrainerCallback):
         if self.session.handle is not None:
             self.session.detach()
             self.session = TrainingSession(self.config, self._plugins)
-        self.session.setup(handle)
+        why_not = _why_loss_is_not_reproduced(self.trainer, handle, self.config)
+        self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")
+        if self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
+            handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index))
+            smoother = self.trainer.label_smoother
+            if smoother is not None and "label_smoother" not in self._wrappers:
+                self._wrappers["label_smoother"] = (FusedLabelSmoother(smoother), smoother)
+                self.trainer.label_smoother = self._wrappers["label_smoother"][0]
         self._rule = rule
 
     def detach(self, keep_head: bool = False) -> None:
@@ -348,6 +357,7 @@ class AnisoCallback(TrainerCallback):
             start_step=state.global_step,
             accumulation_steps=args.gradient_accumulation_steps,
             grad_scaler=getattr(self.trainer.accelerator, "scaler", None),  # fp16 AMP
+            label_smoothing=args.label_smoothing_factor if self.trainer.label_smoother is not None else 0.0,
         )
         if state.global_step > 0:
             directory = self._resume_dir or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -509,6 +519,22 @@ def _with_set_up(model_init: Callable, set_up: Callable[[nn.Module], None]) -> C
         return model
 
     return fresh_model_for
+
+
+def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle, config: AnisoConfig) -> str | None:
+    """None if the fused loss reproduces `trainer`'s training loss of the handle's model exactly
+    (``Trainer.compute_loss`` of a conventional causal LM, `why_loss_is_not_reproduced`), else why not."""
+    if config.ignore_index != -100:
+        return f"ignore_index={config.ignore_index}, but transformers' losses ignore -100"
+    if trainer.compute_loss_func is not None:
+        return "the Trainer has a compute_loss_func, which computes the loss from the logits"
+    own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (Trainer, AnisoTrainerMixin)]
+    if own:
+        return f"{own[0]}.compute_loss replaces the Trainer's loss"
+    name = handle.model._get_name()
+    if trainer.label_smoother is not None and name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        return f"label smoothing of {name}, which the Trainer does not shift as a causal LM"
+    return why_loss_is_not_reproduced(handle.model)
 
 
 def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:

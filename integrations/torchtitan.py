@@ -23,7 +23,7 @@ Two ways to turn aniso_plugins on (docs/design.md, "torchtitan"):
    logs the metrics, `aniso_checkpoint` connects the run to the trainer and checkpoints the
    plugin state (required: without it the loss raises at the first step). The LM head stays
    torchtitan's own module: AGG installs its gated forward on it in place
-   (`aniso_plugins.AGGForward`), as in every adapter.
+   (`aniso_plugins.TrainingHead`), as in every adapter.
 
 What runs where (torchtitan calls the loss once per micro-batch; its `ChunkedLossWrapper` calls
 the LM head once per sequence chunk):
@@ -34,11 +34,11 @@ the LM head once per sequence chunk):
   masking, the documents of each packed row (from the ``positions`` that restart per
   document) to `aniso_plugins.TrainingSession.begin_micro_batch`; the plugins do the rest (AGG counts the
   targets, summed over the data-parallel ranks, and arms the head). When the session says the
-  head computes the loss (``method="agg"`` with ``agg_fused``, the default here) it calls the
-  head once on the micro-batch's hidden states and returns what the head returns: the core's
-  fused chunked AGG cross-entropy normalized by ``global_valid_tokens``, never the full
-  logits. Otherwise it is torchtitan's own chunked loss, whose head calls (gated by AGG with
-  ``--aniso.no-agg-fused``, one target chunk per call) are torchtitan's. Validation calls (no
+  head computes the loss (``fused_loss``: by default with ``method="agg"`` and torchtitan's
+  cross-entropy) it calls the head once on the micro-batch's hidden states and returns what the
+  head returns: the fused chunked (AGG) cross-entropy normalized by ``global_valid_tokens``,
+  never the full logits. Otherwise it is torchtitan's own chunked loss, whose head calls (gated
+  by AGG with ``--aniso.fused-loss False``, one target chunk per call) are torchtitan's. Validation calls (no
   ``global_valid_tokens``) are torchtitan's loss inside ``session.evaluating(labels,
   num_chunks)``: no counting, no loss terms; with ``eval`` metrics each chunk's logits feed
   ``aniso_eval_batch``.
@@ -101,7 +101,7 @@ STATE_KEY = "aniso"
 
 def default_config(**fields: Any) -> AnisoConfig:
     """`AnisoConfig` with the defaults the features declare for torchtitan
-    (`AnisoConfig.adapter_defaults`, e.g. AGG's fused chunked cross-entropy) and `fields`."""
+    (`AnisoConfig.adapter_defaults`) and `fields`."""
     return AnisoConfig.from_dict({**AnisoConfig.adapter_defaults("torchtitan"), **fields})
 
 
@@ -306,12 +306,14 @@ class AnisoRuntime:
                 "from its config; untie with the model config's enable_weight_tying=False)"
             )
         model = trainer.model_parts[0]
-        # the loss can come from the head only where it is the plain cross-entropy the head computes
-        session = TrainingSession(config, owns_loss=type(loss.loss_fn) is CrossEntropyLoss)
+        session = TrainingSession(config)
         dp = _data_parallel_degree(trainer.parallel_dims)
         self.trainer = trainer
         self.session = session
-        session.setup(TitanModelHandle(model))
+        # the loss can come from the head only where it is the plain cross-entropy the head computes
+        plain = type(loss.loss_fn) is CrossEntropyLoss
+        why_not = "" if plain else f"the inner loss is {type(loss.loss_fn).__name__}, not torchtitan's cross-entropy"
+        session.setup(TitanModelHandle(model), owns_loss=plain, why_not=why_not)
         try:  # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
             session.begin_training(
                 start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps, loss_scale=1.0 / dp

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from aniso_plugins import (
     AGGGates,
-    AGGForward,
+    TrainingHead,
     AnisoConfig,
     AnisoPlugins,
     ConfigError,
@@ -477,7 +477,7 @@ def test_bf16_autocast_every_head_gemm_takes_bf16_operands_as_autograd():
         assert errors[name] < 2 * errors["autograd"], errors
 
 
-# --- AGGForward --------------------------------------------------------------------------------------------
+# --- TrainingHead --------------------------------------------------------------------------------------------
 
 
 def test_head_reads_computed_weight_and_consumes_targets_once():
@@ -486,7 +486,7 @@ def test_head_reads_computed_weight_and_consumes_targets_once():
     head = LowRankHead(6, 19, 3, bias=False, dtype=torch.float64)  # `weight` is computed, W = A·B
     gates = agg_gates(a, 0.3)
     ref = grads(three_logit_loss(h, head.weight, y, gates), head.A, head.B)
-    installed = AGGForward(head)
+    installed = TrainingHead(head)
     installed.arm(y, gates)
     got = grads(F.cross_entropy(head(h), y, ignore_index=IGN), head.A, head.B)
     for g, r in zip(got, ref):
@@ -504,8 +504,8 @@ def test_head_reads_computed_weight_and_consumes_targets_once():
         head.train()
         head(h)
     assert installed.armed  # neither call consumed them
-    with pytest.raises(SetupError, match="already has an AGG forward installed.*detach"):
-        AGGForward(head)
+    with pytest.raises(SetupError, match="already has an aniso training forward installed.*detach"):
+        TrainingHead(head)
     installed.remove()
     assert "forward" not in head.__dict__
 
@@ -522,7 +522,7 @@ def test_head_in_chunks_and_fused_give_the_reference_gradient():
     assert gates.rare[y[y != IGN]].any() and not gates.rare.all()
     count = int((y != IGN).sum())
     ref = grads(three_logit_loss(h, head.weight, y, gates) * count / 5.0, h, head.weight)  # Σ NLL / 5
-    installed = AGGForward(head, ignore_index=IGN, chunk_size=3)
+    installed = TrainingHead(head, ignore_index=IGN, chunk_size=3)
 
     installed.arm(y, gates, chunks=4)
     parts = [head(piece) for piece in h.chunk(4, dim=1)]  # four calls, two positions each
@@ -532,13 +532,15 @@ def test_head_in_chunks_and_fused_give_the_reference_gradient():
     for got, want in zip(grads(loss, h, head.weight), ref):
         assert rel_err(got, want) < 1e-12
 
-    installed.arm(y, gates, loss_normalizer=torch.tensor(5.0, dtype=torch.float64))
+    installed.arm(y, gates)
+    installed.fuse(torch.tensor(5.0, dtype=torch.float64))
     fused = head(h)
     assert fused.dim() == 0 and not installed.armed
     for got, want in zip(grads(fused, h, head.weight), ref):
         assert rel_err(got, want) < 1e-12
+    installed.arm(y, gates, chunks=2)
     with pytest.raises(ValueError, match="chunks=1"):
-        installed.arm(y, gates, chunks=2, loss_normalizer=torch.tensor(5.0))
+        installed.fuse(torch.tensor(5.0))
 
 
 # --- the plugin, driven as an adapter does --------------------------------------------------------------

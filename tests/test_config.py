@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 import warnings
 
 import pytest
@@ -37,8 +38,8 @@ NON_DEFAULT = dict(
     agg_static_after=3,
     agg_freeze_rare=True,
     agg_parts=("a", "c"),
-    agg_fused=True,
-    agg_chunk_size=64,
+    fused_loss=True,
+    fused_chunk_size=64,
     reg_weight=0.5,
     reg_every_microbatch=True,
     reg_exclude_ids=(2,),
@@ -306,15 +307,14 @@ def test_make_plugins_builds_head_method_counter_and_metrics_in_config_order():
     plugins = aniso_make_plugins(config)
     names = [type(p).__name__ for p in plugins]
     assert names == [
-        "HeadSurgeryPlugin", "AGGPlugin", "TargetCountsPlugin", "EvalPlugin", "GeometryPlugin", "FrequencyGroupsPlugin"
+        "HeadSurgeryPlugin", "AGGPlugin", "TargetCountsPlugin", "EvalPlugin", "GeometryPlugin", "FrequencyGroupsPlugin",
+        "FusedLossPlugin",
     ]
     counts = plugins[2]
     assert plugins[3].counts is counts and plugins[5].counts is counts  # one shared counter
-    assert [type(p).__name__ for p in aniso_make_plugins(AnisoConfig(method="spectrum", metrics=("hidden",)))] == [
-        "RegularizerPlugin",
-        "HiddenStatesPlugin",
-    ]
-    assert aniso_make_plugins(AnisoConfig(metrics=())) == []
+    made = aniso_make_plugins(AnisoConfig(method="spectrum", metrics=("hidden",), fused_loss=False))
+    assert [type(p).__name__ for p in made] == ["RegularizerPlugin", "HiddenStatesPlugin"]
+    assert aniso_make_plugins(AnisoConfig(metrics=(), fused_loss=False)) == []
 
 
 # --- transformers' HfArgumentParser -------------------------------------------------------------
@@ -355,10 +355,12 @@ def test_hf_argument_parser_carries_every_field(tmp_path):
 def test_hf_argument_parser_boolean_and_empty_list_flags(tmp_path):
     parser = _hf_parser()
     out = ["--output_dir", str(tmp_path)]
-    _, cfg = parser.parse_args_into_dataclasses(out + ["--agg_fused", "--no_agg_g1", "--no-agg-g2", "--metrics", ""])
-    assert cfg == AnisoConfig(agg_fused=True, agg_g1=False, agg_g2=False, metrics=())
-    _, cfg = parser.parse_args_into_dataclasses(out + ["--agg_fused", "false", "--load_entry_points", "False"])
-    assert cfg == AnisoConfig(agg_fused=False, load_entry_points=False)
+    _, cfg = parser.parse_args_into_dataclasses(out + ["--agg_freeze_rare", "--no_agg_g1", "--no-agg-g2", "--metrics", ""])
+    assert cfg == AnisoConfig(agg_freeze_rare=True, agg_g1=False, agg_g2=False, metrics=())
+    _, cfg = parser.parse_args_into_dataclasses(out + ["--fused_loss", "false", "--load_entry_points", "False"])
+    assert cfg == AnisoConfig(fused_loss=False, load_entry_points=False)  # bool | None: a value is needed
+    _, cfg = parser.parse_args_into_dataclasses(out + ["--fused_loss", "True"])
+    assert cfg == AnisoConfig(fused_loss=True) and AnisoConfig().fused_loss is None
     _, cfg = parser.parse_args_into_dataclasses(out + ["--metrics", "geometry,eval", "--window", "9"])
     assert cfg == AnisoConfig(metrics=("geometry", "eval"), window=9)
 
@@ -396,9 +398,11 @@ def test_hf_argument_parser_bad_values_raise_config_error_naming_the_field(tmp_p
 def test_tyro_round_trip_without_type_warnings():
     tyro = pytest.importorskip("tyro")
     flags = []
+    hints = typing.get_type_hints(AnisoConfig)
+    three_valued = {name for name, kind in hints.items() if kind == (bool | None)}  # --name True
     for k, v in NON_DEFAULT.items():
         name = k.replace("_", "-")
-        if isinstance(v, bool):
+        if isinstance(v, bool) and k not in three_valued:
             flags.append(f"--{name}" if v else f"--no-{name}")
         elif isinstance(v, tuple):
             flags += [f"--{name}", *map(str, v)]
@@ -530,7 +534,7 @@ def test_each_feature_declares_its_options_and_the_config_is_their_union():
     own = {c: {f.name for f in dataclasses.fields(c)} - {f.name for b in c.__bases__ for f in dataclasses.fields(b)}
            for c in AnisoConfig.option_classes()}  # fmt: skip
     assert own[AGGOptions] == {"alpha", "window", "special_ids", "agg_g1", "agg_g2", "agg_static_after",
-                               "agg_freeze_rare", "agg_parts", "agg_fused", "agg_chunk_size"}  # fmt: skip
+                               "agg_freeze_rare", "agg_parts"}  # fmt: skip
     assert set().union(*own.values()) == set(names)  # every field has one home
     assert AnisoConfig.state_fields() == ("method", "head", "ignore_index", "alpha", "special_ids", "lowrank_rank")
     assert HeadOptions.STATE_FIELDS == ("lowrank_rank",)
@@ -575,11 +579,13 @@ def test_a_third_party_plugin_gets_options_through_the_same_route(tmp_path):
 
 
 def test_adapter_defaults_come_from_the_features_options():
-    """A feature declares where its default differs by adapter (AGG: fused under torchtitan);
-    the adapters read it without naming the field."""
-    from aniso_plugins.methods.agg.options import AGGOptions
+    """A feature declares where its default differs by adapter; the adapters read it without
+    naming the field (no built-in feature differs now: the fused loss decides by itself)."""
+    from head_norm_options import HeadNormOptions
 
-    assert AnisoConfig.adapter_defaults("torchtitan") == {"agg_fused": True}
-    assert AnisoConfig.adapter_defaults("hf") == {}
-    assert AGGOptions.ADAPTER_DEFAULTS["torchtitan"] == {"agg_fused": True}
-    assert AnisoConfig().agg_fused is False
+    assert AnisoConfig.adapter_defaults("torchtitan") == {} and AnisoConfig.adapter_defaults("hf") == {}
+
+    class Differs(HeadNormOptions):
+        ADAPTER_DEFAULTS = {"torchtitan": {"head_norm_coef": 0.5}}
+
+    assert AnisoConfig.extend(Differs).adapter_defaults("torchtitan") == {"head_norm_coef": 0.5}

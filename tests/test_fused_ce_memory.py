@@ -9,7 +9,7 @@ import sys
 import torch
 
 from aniso_plugins import agg_cross_entropy, agg_gates
-from aniso_plugins.methods.agg.fused_ce import default_chunk_rows
+from aniso_plugins.methods.fused_loss.cross_entropy import default_chunk_rows
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from measure import PeakMemory

@@ -195,8 +195,6 @@ def test_errors_before_any_step(tmp_path):
             args=TrainingArguments(output_dir=str(tmp_path), **QUIET),
             callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False))],
         )
-    with pytest.raises(ConfigError, match="agg_fused=True"):
-        AnisoCallback(AnisoConfig(method="agg", agg_fused=True, metrics=(), load_entry_points=False))
     with pytest.raises(SetupError, match="use_liger_kernel"):
         make_trainer(tmp_path, AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
 

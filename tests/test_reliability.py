@@ -196,7 +196,7 @@ def test_the_same_model_in_a_second_trainer_needs_detach_and_then_works(tmp_path
     first = AnisoCallback(cfg(method="agg", window=3, head="untie"))
     Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[first])
     assert model.config.tie_word_embeddings is False
-    with pytest.raises(SetupError, match=r"already has an AGG forward installed.*detach"):
+    with pytest.raises(SetupError, match=r"already has an aniso training forward installed.*detach"):
         Trainer(model=model, args=args, train_dataset=TokenDataset(),
                 callbacks=[AnisoCallback(cfg(method="agg", window=3))])
     first.detach()

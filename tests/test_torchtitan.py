@@ -44,8 +44,8 @@ def test_aniso_flags_fill_the_section_and_bad_values_name_the_field(capsys):
     flags = ["--aniso.method", "agg", "--aniso.alpha", "0.05", "--aniso.window", "7", "--aniso.metrics", "geometry", "eval"]
     aniso = ConfigManager().parse_args(base + flags).aniso
     assert (aniso.method, aniso.alpha, aniso.window, aniso.metrics) == (("agg",), 0.05, 7, ("geometry", "eval"))
-    assert aniso.agg_fused  # torchtitan's default: the fused AGG cross-entropy
-    assert not ConfigManager().parse_args(base + ["--aniso.no-agg-fused"]).aniso.agg_fused
+    assert aniso.fused_loss is None  # automatic: the fused AGG cross-entropy with torchtitan's own loss
+    assert ConfigManager().parse_args(base + ["--aniso.fused-loss", "False"]).aniso.fused_loss is False
     with pytest.raises(SystemExit):
         ConfigManager().parse_args(base + ["--aniso.alpha", "-1"])
     assert "alpha=-1.0: expected a number > 0" in capsys.readouterr().err.replace("\n", " ").replace("│", "")
@@ -88,7 +88,7 @@ def test_override_factories_swap_the_nodes_and_validate_their_json():
     assert type(cfg.metrics) is tt.AnisoMetricsProcessor.Config
     assert type(cfg.checkpoint) is tt.AnisoCheckpointManager.Config
     assert type(cfg.loss) is tt.AnisoChunkedLoss.Config and cfg.loss.num_chunks == 8
-    assert cfg.loss.aniso == AnisoConfig(method="agg", window=100, metrics=("geometry", "frequency"), agg_fused=True)
+    assert cfg.loss.aniso == AnisoConfig(method="agg", window=100, metrics=("geometry", "frequency"))
     with pytest.raises(ConfigError, match="unknown configuration fields"):
         apply({"methd": "agg"})
     with pytest.raises(ConfigError, match="method='bogus'"):
@@ -97,16 +97,17 @@ def test_override_factories_swap_the_nodes_and_validate_their_json():
 
 def test_agg_head_on_torchtitan_linear_is_linear_unarmed_and_the_token_normalized_cross_entropy_armed():
     import torch.nn.functional as F
-    from aniso_plugins import AGGForward, agg_gates
+    from aniso_plugins import TrainingHead, agg_gates
     from torchtitan.models.common.linear import Linear
 
     head = Linear.Config(in_features=8, out_features=16).build()
-    installed = AGGForward(head, chunk_size=3)
+    installed = TrainingHead(head, chunk_size=3)
     h, y = torch.randn(2, 5, 8), torch.randint(0, 16, (2, 5))
     y[0, 0] = -100
     assert torch.equal(head(h), F.linear(h, head.weight))
     gates = agg_gates(torch.bincount(y[y >= 0], minlength=16).float(), alpha=1.5)
-    installed.arm(y, gates, loss_normalizer=torch.tensor(40))
+    installed.arm(y, gates)
+    installed.fuse(torch.tensor(40))
     loss = head(h)  # Σ NLL / 40 (torchtitan's global_valid_tokens), not the mean over 9 targets
     expected = F.cross_entropy(F.linear(h, head.weight).double().reshape(-1, 16), y.reshape(-1), reduction="sum") / 40
     torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-7)
@@ -152,7 +153,8 @@ def _chunked_loss(inner: str | None):
         ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
         ({}, dict(method="agg"), ConfigError, "--aniso.window"),
-        (dict(inner_loss="mse"), dict(method="agg", window=5, agg_fused=True), ConfigError, "agg_fused=True.*no-agg-fused"),
+        (dict(inner_loss="mse"), dict(method="agg", window=5, fused_loss=True), ConfigError,
+         "fused_loss=True: the inner loss is .*not torchtitan's cross-entropy"),
         (dict(loss=object()), {}, SetupError, "AnisoChunkedLoss"),
     ],
 )
@@ -342,7 +344,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             "--aniso.metrics", "geometry", "frequency", "hidden", "bottleneck", "--aniso.metrics_every", "1",
             "--training.global_batch_size", "4", "--training.steps", "2",
         ]),
-        dict(name="unfused", config="cpu_aniso", args=AGG + NO_METRICS + ["--aniso.no-agg-fused", "--training.steps", "1"]),
+        dict(name="unfused", config="cpu_aniso", args=AGG + NO_METRICS + ["--aniso.fused-loss", "False", "--training.steps", "1"]),
         dict(name="override", config="cpu_stock", args=OVERRIDES + ["--metrics.log_freq", "4"]),
         # resume our own checkpoint (step 2 of "agg"), and a stock one (step 2 of "stock") with AGG on
         dict(name="agg_resume", config="cpu_aniso", args=AGG + agg_metrics + validate, after=["agg"], prepare=copy("agg", "agg_resume")),

@@ -15,8 +15,9 @@ from aniso_plugins.core.hookspecs import hookimpl
 @hookimpl
 def aniso_make_plugins(config: AnisoConfig) -> list[object]:
     """The head plugin, one plugin per method of ``config.method``, the shared target counter
-    (when a metric needs it), the metric plugins in ``config.metrics`` order and the plugin of
-    each switched-on `registry.SWITCHES` field; names that add nothing are skipped."""
+    (when a metric needs it), the metric plugins in ``config.metrics`` order, the plugin of
+    each switched-on `registry.SWITCHES` field and the fused-loss plugin (unless
+    ``fused_loss=False``); names that add nothing are skipped."""
     plugins: list[object] = []
     for field, name in [("head", config.head)] + [("method", m) for m in config.method]:
         cls = registry.plugin_class(field, name)
@@ -30,4 +31,6 @@ def aniso_make_plugins(config: AnisoConfig) -> list[object]:
         cls = registry.plugin_class("metrics", metric)
         plugins.append(cls(config, counts) if metric in registry.NEEDS_TARGET_COUNTS else cls(config))
     plugins += [registry.resolve(spec)(config) for field, spec in registry.SWITCHES.items() if getattr(config, field)]
+    if config.fused_loss is not False:
+        plugins.append(registry.resolve(registry.FUSED_LOSS)(config))
     return plugins

@@ -11,8 +11,9 @@ collectives of their own inside a hook unless the spec says the hook is collecti
 
 Order of events (docs/design.md walks through each adapter)::
 
-    aniso_make_plugins -> aniso_head_computes_loss, aniso_supplies_loss (capabilities)
-    -> aniso_setup -> aniso_begin_training [-> aniso_load_state_dict]
+    aniso_make_plugins -> aniso_supplies_loss (capability)
+    -> aniso_setup -> aniso_reads_training_logits, aniso_head_computes_loss (capabilities)
+    -> aniso_begin_training [-> aniso_load_state_dict]
     per optimizer step with A micro-batches:
         aniso_targets(m=0) forward [aniso_activation_loss_terms] backward ...
         aniso_targets(m=A-1) forward [aniso_activation_loss_terms] [aniso_loss_terms] backward
@@ -53,12 +54,21 @@ def aniso_make_plugins(config: AnisoConfig) -> list[object] | None:
 
 
 @hookspec
-def aniso_head_computes_loss(owns_loss: bool) -> bool | None:
-    """Whether this plugin's LM head returns a training micro-batch's loss itself (normalized by
-    ``step.loss_normalizer``) instead of logits, as the fused AGG cross-entropy does. Asked once,
-    when the session is built; `owns_loss` says whether the adapter computes the loss itself
-    and can take its plain token cross-entropy from the head. Return True only then; raise
-    `aniso_plugins.ConfigError` for a configuration that needs it from an adapter that cannot."""
+def aniso_head_computes_loss(owns_loss: bool, why_not: str) -> bool | None:
+    """Whether this plugin makes the LM head return a training micro-batch's loss itself (its
+    summed token cross-entropy divided by ``step.loss_normalizer``, or the sum when that is None)
+    instead of logits, as the fused loss does. Asked once, right after set-up; `owns_loss` says
+    whether the adapter can take the loss from the head and reproduce the model's own loss
+    exactly, and `why_not`, when it cannot, why (for the message). Return True only then; raise
+    `aniso_plugins.ConfigError` for a configuration that needs it from an adapter that cannot.
+    A plugin answering True prepares the head here (set-up is transactional around it)."""
+
+
+@hookspec
+def aniso_reads_training_logits() -> str | None:
+    """If this plugin reads the LM head's logits (or their gradient) in training micro-batches,
+    a phrase saying so ("the gradient-bottleneck probe reads the logits' gradient"): the head
+    then returns logits, not the fused loss."""
 
 
 @hookspec

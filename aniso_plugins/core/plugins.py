@@ -86,9 +86,13 @@ class AnisoPlugins:
         return bool(getattr(self.pm.hook, hook).get_hookimpls())
 
     # --- events -----------------------------------------------------------------------------
-    def head_computes_loss(self, owns_loss: bool) -> bool:
-        """Whether a plugin's head returns the training loss itself (`aniso_head_computes_loss`)."""
-        return any(self.pm.hook.aniso_head_computes_loss(owns_loss=owns_loss))
+    def head_computes_loss(self, owns_loss: bool, why_not: str) -> bool:
+        """Whether a plugin makes the head return the training loss itself (`aniso_head_computes_loss`)."""
+        return any(self.pm.hook.aniso_head_computes_loss(owns_loss=owns_loss, why_not=why_not))
+
+    def reads_training_logits(self) -> list[str]:
+        """What the plugins read of the training logits (`aniso_reads_training_logits`)."""
+        return [why for why in self.pm.hook.aniso_reads_training_logits() if why]
 
     def supplies_loss(self) -> bool:
         """Whether label-free batches train on the plugins' terms (`aniso_supplies_loss`)."""

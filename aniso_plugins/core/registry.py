@@ -56,6 +56,9 @@ TARGET_COUNTS = f"{_PKG}.metrics.frequency.target_counts:TargetCountsPlugin"
 NEEDS_TARGET_COUNTS = frozenset({"frequency", "eval", "under_trained"})
 """Metrics constructed as ``cls(config, counts)`` with the shared `TARGET_COUNTS` plugin."""
 
+FUSED_LOSS = f"{_PKG}.methods.fused_loss.plugin:FusedLossPlugin"
+"""The plugin that decides and arms the fused loss (``fused_loss``; built for every run)."""
+
 SWITCHES: Mapping[str, str] = {
     "report_at_end": f"{_PKG}.offline.plugin:EndOfTrainingReport",
 }
@@ -70,6 +73,7 @@ OPTIONS: tuple[str, ...] = (
     f"{_PKG}.methods.uniformity.options:UniformityOptions",
     f"{_PKG}.methods.simcse.options:SimCSEOptions",
     f"{_PKG}.methods.heads.options:HeadOptions",
+    f"{_PKG}.methods.fused_loss.options:FusedLossOptions",
     f"{_PKG}.metrics.frequency.options:FrequencyOptions",
     f"{_PKG}.metrics.hidden.options:HiddenOptions",
     f"{_PKG}.metrics.bottleneck.options:BottleneckOptions",
@@ -116,6 +120,7 @@ def plugin_class(field: str, name: str) -> type | None:
 
 
 __all__ = [
+    "FUSED_LOSS",
     "HEADS",
     "METHODS",
     "METRICS",

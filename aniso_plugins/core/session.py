@@ -3,10 +3,10 @@ every adapter needs between its trainer's events and the hooks.
 
 An adapter translates its trainer's events into these calls, and nothing else::
 
-    session = TrainingSession(config, plugins, owns_loss=...)
-    session.setup(handle)                        before the optimizer exists / the model is wrapped
+    session = TrainingSession(config, plugins)
+    session.setup(handle, owns_loss=..., why_not=...)   before the optimizer exists / the model is wrapped
     session.begin_training(epoch_steps=..., start_step=..., accumulation_steps=...,
-                           loss_scale=..., grad_scaler=...)
+                           loss_scale=..., grad_scaler=..., label_smoothing=...)
     session.load_state_dict(...) / session.load(dir)      when resuming (before or after begin_training)
     session.begin_micro_batch(targets, step=..., ...)     each training micro-batch, before its forward
     (forward: the head's forward hook attaches the loss terms on the micro-batch they are due,
@@ -63,22 +63,12 @@ class TrainingSession:
     """One training run's plugins plus the adapter-side bookkeeping.
 
     config / plugins: as for `AnisoPlugins`.
-    owns_loss: whether the adapter computes the loss itself and so can let the LM head return
-        it (`aniso_head_computes_loss`: the fused AGG cross-entropy); a plugin that needs that
-        from an adapter that does not refuses here.
     """
 
-    def __init__(
-        self,
-        config: AnisoConfig | None = None,
-        plugins: Iterable[object] = (),
-        *,
-        owns_loss: bool = False,
-    ) -> None:
+    def __init__(self, config: AnisoConfig | None = None, plugins: Iterable[object] = ()) -> None:
         self.plugins = AnisoPlugins(config, plugins)
         self.config = self.plugins.config
-        self.owns_loss = owns_loss
-        self._head_computes_loss = self.plugins.head_computes_loss(owns_loss)
+        self._head_computes_loss = False
         self._supplies_loss = self.plugins.supplies_loss()
         self.handle: ModelHandle | None = None
         self.run: RunInfo | None = None
@@ -99,9 +89,10 @@ class TrainingSession:
     # --- what the adapter asks ----------------------------------------------------------------
     @property
     def head_computes_loss(self) -> bool:
-        """Whether the LM head returns a training micro-batch's loss itself (normalized by the
-        micro-batch's ``loss_normalizer``) instead of logits: a plugin says so
-        (`aniso_head_computes_loss`), and only to an adapter that owns the loss."""
+        """Whether the LM head returns a training micro-batch's loss itself (a 0-dim tensor: the
+        summed token loss divided by the micro-batch's ``loss_normalizer``, or the sum) instead of
+        logits: decided at `setup` (`aniso_head_computes_loss`), only where the adapter owns the
+        loss and no plugin reads the training logits."""
         return self._head_computes_loss
 
     @property
@@ -125,9 +116,13 @@ class TrainingSession:
         return trainer_logs if every is None else step % every == 0
 
     # --- set-up -----------------------------------------------------------------------------
-    def setup(self, handle: ModelHandle) -> None:
-        """Run the plugins' set-up (head surgery, model-dependent checks) and hook the final
-        head's output (loss terms, evaluation batches). Once, before the optimizer is built.
+    def setup(self, handle: ModelHandle, *, owns_loss: bool = False, why_not: str = "") -> None:
+        """Run the plugins' set-up (head surgery, model-dependent checks), decide
+        `head_computes_loss` and hook the final head's output (loss terms, evaluation batches).
+        Once, before the optimizer is built.
+
+        owns_loss: whether the adapter can take the training loss from the head and reproduce
+            the model's own loss exactly (the fused loss); why_not: if not, why (for messages).
 
         Transactional: if any plugin's set-up raises, everything the others did to the model is
         undone (`ModelHandle.restore`) before the error propagates."""
@@ -135,6 +130,10 @@ class TrainingSession:
             raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
         try:
             self.plugins.setup(handle)
+            readers = self.plugins.reads_training_logits()
+            if owns_loss and readers:
+                owns_loss, why_not = False, "; ".join(readers)
+            self._head_computes_loss = self.plugins.head_computes_loss(owns_loss, why_not or "the adapter cannot")
             head = handle.head()
             # prepended: the activation terms see the head's input before any probe replaces it
             pre = head.register_forward_pre_hook(self._on_head_input, prepend=True)
@@ -158,6 +157,7 @@ class TrainingSession:
             return
         self.handle.restore(keep_surgery=keep_head)
         self.handle = None
+        self._head_computes_loss = False
         self.run = None
         self._current = None
         self._loss_due = False
@@ -172,6 +172,7 @@ class TrainingSession:
         accumulation_steps: int = 1,
         loss_scale: float = 1.0,
         grad_scaler: GradScaler | None = None,
+        label_smoothing: float = 0.0,
     ) -> RunInfo:
         """Training starts or resumes; the plugins learn what the trainer knows.
 
@@ -181,11 +182,17 @@ class TrainingSession:
             reduction (1 when gradients are averaged over ranks, as DDP and FSDP2 do; 1/world
             when they are summed, as torchtitan does);
         grad_scaler: the trainer's fp16 gradient scaler, if any: backward runs on the scaled
-            loss, so the loss terms are scaled by its current scale too.
+            loss, so the loss terms are scaled by its current scale too;
+        label_smoothing: the trainer's label smoothing of the token loss (`RunInfo`).
         State loaded before this call is restored right after the plugins' hook."""
         if self.handle is None:
             raise SetupError("TrainingSession.setup(handle) must run before begin_training")
-        self.run = RunInfo(epoch_steps=epoch_steps, start_step=start_step, accumulation_steps=accumulation_steps)
+        self.run = RunInfo(
+            epoch_steps=epoch_steps,
+            start_step=start_step,
+            accumulation_steps=accumulation_steps,
+            label_smoothing=label_smoothing,
+        )
         self._loss_scale = loss_scale
         self._grad_scaler = grad_scaler
         self.plugins.begin_training(self.run)

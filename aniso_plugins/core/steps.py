@@ -18,11 +18,14 @@ class RunInfo:
     start_step: optimizer steps already done (0 for a fresh run, the checkpoint's step when
         resuming).
     accumulation_steps: micro-batches per optimizer step (gradient accumulation).
+    label_smoothing: the trainer's label smoothing ε of the token loss (the fused loss
+        reproduces it; 0 when the trainer has none).
     """
 
     epoch_steps: int | None = None
     start_step: int = 0
     accumulation_steps: int = 1
+    label_smoothing: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,8 +39,9 @@ class StepInfo:
     measure: whether metrics will be measured at the end of this step.
     head_calls: how many times the LM head runs on this micro-batch: once per equal chunk of
         the targets' last dimension, in order (torchtitan's chunked loss; 1 elsewhere).
-    loss_normalizer: only where the adapter owns the loss (torchtitan): the divisor of this
-        micro-batch's summed token loss, for a head that computes the loss itself.
+    loss_normalizer: only where the head computes the loss (`TrainingSession.head_computes_loss`):
+        the divisor of this micro-batch's summed token loss (torchtitan's global valid tokens),
+        or None for the sum (the adapter divides, as the HF adapter does).
     input_ids / attention_mask: the token ids and padding mask (1 = token, 0 = padding) at the
         LM head's positions (an encoder-decoder's decoder inputs), shaped like the targets,
         when the adapter's batches carry them (HF and Lightning dict batches); None otherwise
@@ -93,6 +97,7 @@ class TargetChunks:
             raise ValueError(f"chunks={chunks!r}: expected an integer >= 1")
         self._pieces = list(targets.chunk(chunks, dim=-1)) if chunks > 1 else [targets]
         self._next = 0
+        self.chunks = chunks
 
     def take(self, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor | None:
         """The next piece; None when all were used, or when `shape` (a head output's leading

@@ -14,7 +14,7 @@ docs/performance.md §3.2) the gradients are
 applies Γ to the weight gradient only, without any N×V tensor beyond the incoming gradient:
 ``dW = diag(g_base)·GᵀX + Σ_{i∈S} ((g_other − g_base) ⊙ G_i) x_iᵀ + target-entry corrections``,
 where the base gate is that of the larger row group and S the smaller group (usually the few
-rare-target rows). `aniso_plugins.methods.agg.head.AGGForward` installs it in place as a head module's forward.
+rare-target rows). `aniso_plugins.methods.fused_loss.head.TrainingHead` installs it in place as a head module's forward.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ class AGGOptions(Options):
 
     SEQUENCES = {"special_ids": int, "agg_parts": str}
     STATE_FIELDS = ("alpha", "special_ids")
-    ADAPTER_DEFAULTS = {"torchtitan": {"agg_fused": True}}  # it owns the loss: no full logits
 
     alpha: float = 0.03
     """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""
@@ -45,20 +44,12 @@ class AGGOptions(Options):
     agg_parts: StrList = list_field("b", "c")
     """Gradient parts of a rare row to gate (docs/methods.md §0): (a) own contexts, (b) non-rare
     targets, (c) other rare targets. Default ("b", "c") is the official AGG."""
-    agg_fused: bool = False
-    """Run AGG as the fused chunked AGG cross-entropy (no full logits) instead of the gated head:
-    only adapters that own the loss can (torchtitan, where it is the default); the HF and
-    Lightning adapters refuse it."""
-    agg_chunk_size: int | None = None
-    """Token rows per chunk of the fused AGG cross-entropy; None: 1024, or fewer where a chunk's
-    float32 logits would exceed 256 MiB (`aniso_plugins.methods.agg.fused_ce.default_chunk_rows`)."""
 
     def validate(self) -> None:
         check_choices("agg_parts", self.agg_parts, AGG_PARTS)
         check_range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
         check_positive_or_none("window", self.window)
         check_positive_or_none("agg_static_after", self.agg_static_after)
-        check_positive_or_none("agg_chunk_size", self.agg_chunk_size)
         check_token_ids("special_ids", self.special_ids)
 
 

@@ -1,12 +1,12 @@
 """The AGG plugin: token counter + gates + gated LM head, wired into the core's hooks.
 
-At set-up (`aniso_setup`): check ``special_ids`` against the vocabulary and install the AGG
-head (`aniso_plugins.methods.agg.head.AGGForward`) on the model's LM head. When training begins
+At set-up (`aniso_setup`): check ``special_ids`` against the vocabulary and install the training
+head (`aniso_plugins.methods.fused_loss.head.TrainingHead`, marked gated) on the model's LM head. When training begins
 (`aniso_begin_training`): build the token counter with window K = ``config.window``, else the
 trainer's epoch length. Per training micro-batch (`aniso_targets`): count its targets (summed
 across data-parallel ranks), compute the gates from the appearance that now includes them (the
-official order, docs/methods.md §1.1), and arm the head with both (and, where the adapter owns
-the loss, with its normalizer: the head then returns the fused AGG cross-entropy). After the
+official order, docs/methods.md §1.1), and arm the head with both (where the adapter owns the
+loss, the fused-loss plugin then makes the head return the fused AGG cross-entropy). After the
 optimizer step (`aniso_step_end`): advance the counter. Validation and evaluation never reach
 the counter (no `aniso_targets` for them, and the head gates only in training mode with grad
 enabled).
@@ -27,7 +27,7 @@ from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import RunInfo, StepInfo
 from aniso_plugins.methods.agg.counter import SlidingTokenCounter
 from aniso_plugins.methods.agg.gates import AGGGates, agg_gates
-from aniso_plugins.methods.agg.head import AGGForward, check_linear_head
+from aniso_plugins.methods.fused_loss.head import TrainingHead, check_linear_head
 from aniso_plugins.numerics.distributed import is_distributed
 
 NAMESPACE = "agg"
@@ -49,7 +49,7 @@ class AGGPlugin(Plugin):
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
         self.process_group: dist.ProcessGroup | None = None
-        self.head: AGGForward | None = None
+        self.head: TrainingHead | None = None
         self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
         self.last_gates: AGGGates | None = None
@@ -57,19 +57,6 @@ class AGGPlugin(Plugin):
         self._step_warned = False
 
     # --- hooks --------------------------------------------------------------------------------
-    @hookimpl
-    def aniso_head_computes_loss(self, owns_loss: bool) -> bool:
-        """``agg_fused``: the head returns the fused chunked AGG cross-entropy, never the logits,
-        which only an adapter that computes the loss itself can take."""
-        if self.config.agg_fused and not owns_loss:
-            raise ConfigError(
-                "agg_fused=True: the fused AGG head returns the plain cross-entropy, which this trainer adapter "
-                "cannot take from the head (HF and Lightning compute the loss themselves; torchtitan does only with "
-                "a plain cross-entropy inner loss); run AGG as the gated LM head: agg_fused=False "
-                "(torchtitan: --aniso.no-agg-fused)"
-            )
-        return self.config.agg_fused
-
     def setup(self, model: ModelHandle) -> None:
         config = self.config
         vocab = model.vocab_size
@@ -80,7 +67,8 @@ class AGGPlugin(Plugin):
         head = model.head()
         check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
         self.vocab_size = vocab
-        self.head = AGGForward(head, ignore_index=config.ignore_index, chunk_size=config.agg_chunk_size)
+        self.head = TrainingHead(head, ignore_index=config.ignore_index)
+        self.head.gated = True
         model.on_restore(self.head.remove)
 
     @hookimpl
@@ -127,15 +115,7 @@ class AGGPlugin(Plugin):
             ) from e
         gates = self._gates(counter)
         self.last_gates = gates
-        fused = self.config.agg_fused
-        if fused and step.loss_normalizer is None:
-            raise SetupError("AGG with agg_fused: the adapter announced a micro-batch without its loss normalizer")
-        self.head.arm(
-            targets,
-            gates,
-            chunks=1 if fused else step.head_calls,
-            loss_normalizer=step.loss_normalizer if fused else None,
-        )
+        self.head.arm(targets, gates, chunks=step.head_calls)
 
     @hookimpl
     def aniso_step_end(self, step: StepInfo) -> None:

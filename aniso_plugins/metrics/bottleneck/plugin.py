@@ -111,6 +111,10 @@ class BottleneckPlugin(Plugin):
         self._efficiency: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._warned: set[str] = set()
 
+    @hookimpl
+    def aniso_reads_training_logits(self) -> str:
+        return "the gradient-bottleneck probe reads the training logits and their gradient"
+
     def setup(self, model: ModelHandle) -> None:
         head = model.head()
         self.vocab_size = model.vocab_size

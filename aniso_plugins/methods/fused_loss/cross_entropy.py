@@ -1,4 +1,5 @@
-"""Fused, chunked linear + cross-entropy with AGG gating: never the full N×V logits.
+"""Fused, chunked linear + cross-entropy (optionally label-smoothed and AGG-gated): never the
+full N×V logits.
 
 The approach of Liger-Kernel's fused linear cross-entropy (docs/performance.md §1.1): the forward
 walks over chunks of token rows, computes a chunk of logits, its loss and its logit gradient
@@ -8,7 +9,9 @@ AGG's Γ (`aniso_plugins.methods.agg.gates`) costs no N×V pass: rows are ordere
 (non-rare or rare targets) comes first; its chunks accumulate unscaled, then dW is scaled once
 by that group's gate vector, the smaller group's chunks are multiplied in place by theirs, and
 target entries are corrected at the end with one index_add (docs/performance.md §3.2, §6.1).
-Ignored rows (``ignore_index``) are skipped: they have no loss and no gradient.
+Ignored rows (``ignore_index``) are skipped: they have no loss and no gradient. Label smoothing ε
+(as transformers' ``LabelSmoother``) adds ε·mean_k(−log p_ik) to each row's (1 − ε)·CE: in the
+same pass, one more row sum of the logits chunk.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _add_target_rows(dw: torch.Tensor, coef: torch.Tensor, X: torch.Tensor, rows
 
 class _FusedAGGCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled):
         compute, acc, _ = dtypes
         v, d = weight.shape
         want_dx, want_dw, want_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
@@ -87,12 +90,16 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                 z = F.linear(xc, w, b).to(acc)
                 yc = ys[s:e, None]
                 target_logit = z.gather(1, yc).squeeze(1)
+                if smoothing:  # −Σ_k log p_ik / V = lse_i − mean_k z_ik
+                    target_logit = (1.0 - smoothing) * target_logit + smoothing * z.mean(1)
                 zmax = z.amax(1, keepdim=True)
                 z.sub_(zmax).exp_()
                 zsum = z.sum(1, keepdim=True)
                 loss += (zmax.squeeze(1) + zsum.squeeze(1).log() - target_logit).sum()
                 z.div_(zsum)  # softmax
-                z.scatter_add_(1, yc, torch.full_like(target_logit[:, None], -1.0))
+                if smoothing:
+                    z.sub_(smoothing / v)
+                z.scatter_add_(1, yc, torch.full_like(target_logit[:, None], smoothing - 1.0))
                 z.mul_(scale)  # G_c, the chunk's logit gradient
                 zc = z.to(compute)  # G_c for the GEMMs (z itself without autocast): one copy for dX and dW
                 if want_dx:
@@ -125,7 +132,18 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
             )
         out = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
-        return (*out, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None)
+
+
+def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
+    """1 / D of `agg_cross_entropy`'s loss."""
+    if reduction == "mean":
+        if normalizer is not None:
+            raise ValueError("normalizer: only used with reduction='sum' (mean divides by the non-ignored targets)")
+        return 1.0 / max(int((targets != ignore_index).sum()), 1)
+    if reduction == "sum":
+        return 1.0 if normalizer is None else 1.0 / normalizer
+    raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
 
 
 def agg_cross_entropy(
@@ -139,10 +157,14 @@ def agg_cross_entropy(
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 
-        loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − z_{i,y_i}) / D,   z_i = W h_i + b,
+        loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − (1 − ε) z_{i,y_i} − ε mean_k z_ik) / D,   z_i = W h_i + b,
+
+    ε = `label_smoothing` (0: plain cross-entropy; as ``F.cross_entropy(label_smoothing=ε)`` and
+    transformers' ``LabelSmoother``: (1 − ε)·CE + ε·mean_k(−log p_ik) per row),
 
     D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
     and 0 gradients when there is none) or `normalizer` (``reduction="sum"``; 1 if None; pass
@@ -167,18 +189,14 @@ def agg_cross_entropy(
         raise ValueError(
             f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk) or None (the default)"
         )
-    if reduction == "mean":
-        if normalizer is not None:
-            raise ValueError("normalizer: only used with reduction='sum' (mean divides by the non-ignored targets)")
-        scale = 1.0 / max(int((targets != ignore_index).sum()), 1)
-    elif reduction == "sum":
-        scale = 1.0 if normalizer is None else 1.0 / normalizer
-    else:
-        raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+    scale = _loss_scale(targets, ignore_index, reduction, normalizer)
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
     if gates is not None:
         gates = gates.to(weight.device)
     targets = targets.to(hidden.device)
     dtypes = compute_dtypes(hidden, weight)
     return _FusedAGGCrossEntropy.apply(
-        hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, dtypes, torch.is_grad_enabled()
+        hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
+        torch.is_grad_enabled(),
     )

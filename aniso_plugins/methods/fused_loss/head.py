@@ -1,7 +1,8 @@
-"""The AGG head: the gated forward installed in place on an LM head module (the one head
-that AGG arms, in every adapter). The math lives in `aniso_plugins.methods.agg.gates` (gates, `agg_linear`)
-and `aniso_plugins.methods.agg.fused_ce` (the fused chunked cross-entropy); this module only decides which
-one a call runs."""
+"""The training forward installed in place on an LM head module: AGG's gated logits and the
+fused chunked cross-entropy (the one forward any plugin arms, in every adapter). The math lives
+in `aniso_plugins.methods.agg.gates` (gates, `agg_linear`) and
+`aniso_plugins.methods.fused_loss.cross_entropy` (the fused chunked cross-entropy); this module only
+decides which one a call runs."""
 
 from __future__ import annotations
 
@@ -12,29 +13,31 @@ from torch import nn
 
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.steps import TargetChunks
-from aniso_plugins.methods.agg.fused_ce import agg_cross_entropy
 from aniso_plugins.methods.agg.gates import AGGGates, agg_linear
+from aniso_plugins.methods.fused_loss.cross_entropy import agg_cross_entropy
 from aniso_plugins.methods.heads.lowrank import LowRankHead
 
 logger = logging.getLogger("aniso_plugins")
 
 
-class AGGForward:
-    """The AGG-gated forward, installed in place on an LM head module: the one AGG head.
+class TrainingHead:
+    """The training forward, installed in place on an LM head module: the one installed head.
 
     The module object and its Parameters stay what they are (tying, state-dict keys, FSDP2
     groups and DDP hooks keep working); only ``module.forward`` becomes an instance attribute.
-    `arm` hands over one training micro-batch's targets and gates; the next forward(s) that run
-    in training mode with gradients enabled consume them, reading ``module.weight`` (and
+    Plugins share it (`of` installs it or returns the installed one). Per training micro-batch,
+    `arm` hands over the targets and, from AGG, the gates of the weight gradient; `fuse` (only
+    where the adapter owns the loss) makes the head compute the loss. The next forward(s) that
+    run in training mode with gradients enabled consume them, reading ``module.weight`` (and
     ``module.bias``) at call time, where FSDP2 has unsharded them (a head whose ``weight`` is a
     computed property, W = A·B, works too), and return either
 
     - the logits of `agg_linear` (plain values, gated weight gradient), one chunk of the
       targets per call when the adapter runs the head in ``chunks`` pieces (torchtitan's
       chunked loss), or
-    - with a `loss_normalizer` (only where the adapter owns the loss), the fused chunked AGG
-      cross-entropy of the whole micro-batch, ``Σ_{i: y_i ≠ ignore} CE_i / loss_normalizer``
-      (`aniso_plugins.agg_cross_entropy`), never the full logits.
+    - fused, the chunked cross-entropy of the whole micro-batch, ``Σ_{i: y_i ≠ ignore} CE_i /
+      normalizer`` (`aniso_plugins.agg_cross_entropy`, AGG-gated when armed with gates, label
+      smoothed with ``label_smoothing``), a 0-dim tensor: never the full logits.
 
     Any other call runs the module's original forward. `remove` restores it.
     """
@@ -44,34 +47,40 @@ class AGGForward:
         self.module = module
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
+        self.gated = False
+        """Whether a plugin gates the weight gradient (AGG): it arms every micro-batch with gates."""
         self._own_forward = "forward" in module.__dict__
         self._original = module.forward
         self._targets: TargetChunks | None = None
         self._gates: AGGGates | None = None
-        self._normalizer: torch.Tensor | None = None
+        self._fused: tuple[torch.Tensor | None, float] | None = None  # (normalizer, label smoothing)
         self._warned = False
         module.forward = self.forward
 
-    def arm(
-        self,
-        targets: torch.Tensor,
-        gates: AGGGates,
-        *,
-        chunks: int = 1,
-        loss_normalizer: torch.Tensor | None = None,
-    ) -> None:
+    @classmethod
+    def installed_on(cls, module: nn.Module) -> TrainingHead | None:
+        """The training head installed on `module`, or None."""
+        installed = getattr(module.forward, "__self__", None)
+        return installed if isinstance(installed, cls) else None
+
+    def arm(self, targets: torch.Tensor, gates: AGGGates | None = None, *, chunks: int = 1) -> None:
         """One micro-batch's targets (aligned with the head's output positions) and gates for
         the next forward, or for the next `chunks` forwards (equal chunks of the last target
-        dimension, in order); with `loss_normalizer` the next forward returns the fused loss."""
-        if loss_normalizer is not None and chunks != 1:
-            raise ValueError("AGGForward.arm: the fused loss takes the whole micro-batch in one call (chunks=1)")
+        dimension, in order)."""
         self._targets = TargetChunks(targets, chunks)
         self._gates = gates
-        self._normalizer = loss_normalizer
+        self._fused = None
+
+    def fuse(self, normalizer: torch.Tensor | None = None, label_smoothing: float = 0.0) -> None:
+        """The armed micro-batch's next forward returns its fused loss: the summed token loss
+        divided by `normalizer` (None: the sum), label-smoothed by `label_smoothing`."""
+        if self._targets is None or self._targets.chunks != 1:
+            raise ValueError("TrainingHead.fuse: arm the whole micro-batch first (chunks=1: one call takes it all)")
+        self._fused = (normalizer, label_smoothing)
 
     def disarm(self) -> None:
         """Drop targets that no forward consumed."""
-        self._targets = self._gates = self._normalizer = None
+        self._targets = self._gates = self._fused = None
 
     @property
     def armed(self) -> bool:
@@ -87,25 +96,27 @@ class AGGForward:
 
     def forward(self, input: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: A002 - torchtitan reads `input`
         if self.module.training and torch.is_grad_enabled():
-            if self.armed:
+            if self.armed and (self._fused is not None or self._gates is not None):
                 if args or kwargs:
-                    raise TypeError("AGG head: the gated forward takes only the hidden states")
-                return self._gated(input)
-            if not self._warned:
+                    raise TypeError("the training head takes only the hidden states")
+                return self._training(input)
+            if self.gated and not self._warned:
                 self._warned = True
                 logger.warning(
                     "AGG: the LM head ran in training without targets for this micro-batch; its weight "
                     "gradient is not gated (the adapter must announce each micro-batch before its forward)"
                 )
+            self.disarm()
         return self._original(input, *args, **kwargs)
 
-    def _gated(self, hidden: torch.Tensor) -> torch.Tensor:
-        targets, gates, normalizer = self._targets.take(), self._gates, self._normalizer
+    def _training(self, hidden: torch.Tensor) -> torch.Tensor:
+        targets, gates, fused = self._targets.take(), self._gates, self._fused
         weight, bias = self.module.weight, getattr(self.module, "bias", None)
         if self._targets.exhausted:
             self.disarm()
-        if normalizer is None:
+        if fused is None:
             return agg_linear(hidden, weight, targets, gates, bias, self.ignore_index)
+        normalizer, smoothing = fused
         return agg_cross_entropy(
             hidden,
             weight,
@@ -116,6 +127,7 @@ class AGGForward:
             reduction="sum",
             normalizer=normalizer,
             chunk_size=self.chunk_size,
+            label_smoothing=smoothing,
         )
 
 
@@ -123,32 +135,32 @@ LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)
 """Forwards known to compute exactly ``F.linear(x, module.weight, module.bias)`` (up to rounding)."""
 
 
-def check_linear_head(module: nn.Module, framework_forward: bool = False) -> None:
+def check_linear_head(module: nn.Module, framework_forward: bool = False, who: str = "AGG") -> None:
     """Raise `SetupError` unless `module`'s forward is exactly a linear map of its ``weight``
-    (and ``bias``): the AGG head replaces that forward by ``agg_linear(x, weight, ...)``, so
-    anything else it computes (a logit scale, a soft-cap, a norm) would silently be lost.
+    (and ``bias``): the training head replaces that forward by ``agg_linear(x, weight, ...)``
+    or the fused loss, so anything else it computes (a logit scale, a soft-cap, a norm) would
+    silently be lost. `who` names the feature in the message.
     `framework_forward`: the trainer sets an instance forward around the class forward that
     changes no value (`ModelHandle.framework_wraps_head_forward`)."""
     name = type(module).__qualname__
-    installed = getattr(module.forward, "__self__", None)
-    if isinstance(installed, AGGForward):
+    if TrainingHead.installed_on(module) is not None:
         raise SetupError(
-            f"the LM head {name} already has an AGG forward installed, by a session that was not detached "
+            f"the LM head {name} already has an aniso training forward installed, by a session that was not detached "
             "(e.g. a notebook cell run twice): call .detach() on the callback that installed it, or "
             "aniso_plugins.detach(model), then attach again"
         )
     if "forward" in module.__dict__ and not framework_forward:
         raise SetupError(
-            f"the LM head {name} has a forward of its own set on the instance ({module.forward!r}); AGG would "
-            "replace it. Remove that patch, or train without AGG"
+            f"the LM head {name} has a forward of its own set on the instance ({module.forward!r}); {who} would "
+            f"replace it. Remove that patch, or train without {who}"
         )
     if type(module).forward not in LINEAR_FORWARDS:
         raise SetupError(
-            f"AGG needs an LM head whose forward is exactly F.linear(x, weight, bias); {name}.forward is code of "
+            f"{who} needs an LM head whose forward is exactly F.linear(x, weight, bias); {name}.forward is code of "
             "its own (e.g. a logit scale or soft-cap), which the gated forward would bypass and silently change "
             "the logits. Use an nn.Linear head and apply the extra computation after it in the model's forward, "
-            "or train without AGG"
+            f"or train without {who}"
         )
 
 
-__all__ = ["AGGForward", "LINEAR_FORWARDS", "check_linear_head"]
+__all__ = ["LINEAR_FORWARDS", "TrainingHead", "check_linear_head"]

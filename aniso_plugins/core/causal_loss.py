@@ -1,0 +1,180 @@
+"""The training loss of a transformers causal LM, reproduced from the LM head's fused loss.
+
+A causal LM that follows transformers' conventions (GPT-2, Llama, Qwen2, Mistral, Gemma, Phi,
+OPT, GPT-NeoX, Falcon in transformers 5) computes in its forward
+
+    logits = self.lm_head(hidden_states)                            (after logits_to_keep)
+    loss = self.loss_function(logits, labels, vocab_size, **kwargs)  (ForCausalLMLoss)
+
+and passes ``logits`` on unchanged. ForCausalLMLoss is Σ_{i: y_i ≠ −100} CE_i / D over the
+shifted labels (or ``shift_labels``), D = ``num_items_in_batch`` when the Trainer passes it,
+else the number of non-ignored targets (docs/methods.md §16). `why_loss_is_not_reproduced`
+reads the forward's code (its syntax tree) for exactly that flow; `install_fused_causal_loss`
+then makes ``model.loss_function`` take the head's fused sum Σ CE_i (a 0-dim tensor, which the
+model passes where its logits would be) and divide it by the same D, and leaves every call with
+real logits (evaluation) to the model's own loss function. Duck-typed: transformers is imported
+only to name ForCausalLMLoss.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+_HEAD_CALLS = ("float", "contiguous")
+"""Methods a conventional forward may call on the head's output before naming it ``logits``."""
+
+
+def why_loss_is_not_reproduced(model: nn.Module) -> str | None:
+    """None if `model` (a transformers causal LM, not PEFT-wrapped) computes its training loss
+    as ForCausalLMLoss of its head's unchanged output; otherwise what it does instead."""
+    name = type(model).__name__
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return "transformers is not installed"
+    function = getattr(model, "loss_function", None)
+    if function is not ForCausalLMLoss:
+        return f"{name}'s loss function is {getattr(function, '__name__', function)!r}, not transformers' ForCausalLMLoss"
+    head = model.get_output_embeddings()
+    attribute = next((key for key, module in model._modules.items() if module is head), None)
+    if attribute is None:
+        return f"{name}'s LM head is not one of its own attributes"
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return f"the code of {name}.forward cannot be read"
+    problem = _logits_flow(tree, attribute)
+    return None if problem is None else f"{name}.forward {problem}"
+
+
+def _logits_flow(tree: ast.AST, head: str) -> str | None:
+    """What in a forward's tree departs from ``logits = self.<head>(h)`` (any name for
+    ``logits``) followed only by ``self.loss_function(logits, ...)`` and the returned output;
+    None if nothing."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    heads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _is_self_attribute(n.func, head)]
+    if len(heads) != 1:
+        return f"calls self.{head} {len(heads)} times" if heads else f"does not call self.{head}"
+    value = heads[0]
+    while isinstance(parents[value], ast.Attribute) and parents[value].attr in _HEAD_CALLS:
+        value = parents[parents[value]]  # self.lm_head(h).float(): the Call of the method
+    assign = parents[value]
+    if not (isinstance(assign, ast.Assign) and len(assign.targets) == 1 and isinstance(assign.targets[0], ast.Name)):
+        statement = _statement(value, parents)
+        return f"computes on the head's output: `{ast.unparse(statement)}` (line {statement.lineno})"
+    name = assign.targets[0].id
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name]
+    if any(not isinstance(n.ctx, ast.Load) for n in uses if n is not assign.targets[0]):
+        return f"assigns {name} again after the head (e.g. a soft-cap or a logit scale)"
+    to_loss = False
+    for node in uses:
+        parent = parents[node]
+        call = parents[parent] if isinstance(parent, ast.keyword) else parent
+        if isinstance(call, ast.Call) and _is_self_attribute(call.func, "loss_function"):
+            to_loss = True
+        elif node is not assign.targets[0] and not isinstance(parent, (ast.keyword, ast.Tuple)):
+            statement = _statement(node, parents)
+            return f"uses its logits after the head: `{ast.unparse(statement)}` (line {statement.lineno})"
+    return None if to_loss else f"does not pass {name} to self.loss_function"
+
+
+def _is_self_attribute(node: ast.AST | None, name: str) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def _statement(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> ast.AST:
+    while not isinstance(node, ast.stmt):
+        node = parents[node]
+    return node
+
+
+def causal_loss_denominator(
+    labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor | int:
+    """ForCausalLMLoss's D: `num_items_in_batch` if given, else the targets ≠ `ignore_index`
+    (``shift_labels``, or `labels` without their first position)."""
+    if num_items_in_batch is not None:
+        return num_items_in_batch
+    targets = shift_labels if shift_labels is not None else labels[..., 1:]
+    return (targets != ignore_index).sum()
+
+
+class FusedCausalLMLoss:
+    """``model.loss_function`` while the head computes the fused loss: a 0-dim `logits` is the
+    head's summed token loss, returned divided by `causal_loss_denominator`; real logits go to
+    the model's own loss function `original`."""
+
+    def __init__(self, original: Callable[..., torch.Tensor], ignore_index: int) -> None:
+        self.original = original
+        self.ignore_index = ignore_index
+
+    def __call__(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
+        if logits.dim() != 0:
+            return self.original(
+                logits, labels, vocab_size, num_items_in_batch, ignore_index=ignore_index, shift_labels=shift_labels, **kwargs
+            )
+        if ignore_index != self.ignore_index:
+            raise ValueError(
+                f"the model's loss ignores the label {ignore_index}, the fused loss {self.ignore_index}: set "
+                f"AnisoConfig(ignore_index={ignore_index}) or fused_loss=False"
+            )
+        denominator = causal_loss_denominator(labels, num_items_in_batch, ignore_index, shift_labels)
+        if torch.is_tensor(denominator):
+            denominator = denominator.to(logits.device)
+        return logits / denominator
+
+
+class FusedLabelSmoother:
+    """A Trainer's ``label_smoother`` (transformers' ``LabelSmoother``, ε = ``epsilon``) while the
+    head computes the fused loss with the same ε: a 0-dim logits is the head's
+    Σ_i [(1 − ε) CE_i + ε mean_k(−log p_ik)], returned divided by LabelSmoother's denominator
+    (`causal_loss_denominator` of the shifted labels); real logits go to `original`."""
+
+    def __init__(self, original: Callable[..., torch.Tensor]) -> None:
+        self.original = original
+        self.epsilon = float(original.epsilon)
+        self.ignore_index = original.ignore_index
+
+    def __call__(self, model_output, labels, shift_labels=False, num_items_in_batch=None):
+        logits = model_output["logits"] if isinstance(model_output, dict) else model_output[0]
+        if logits.dim() != 0:
+            return self.original(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+        if not shift_labels:
+            raise ValueError("the fused loss reproduces label smoothing of causal LMs only (shift_labels=True)")
+        denominator = causal_loss_denominator(labels, num_items_in_batch, self.ignore_index)
+        if torch.is_tensor(denominator):
+            denominator = denominator.to(logits.device)
+        return logits / denominator
+
+
+def install_fused_causal_loss(model: nn.Module, ignore_index: int) -> Callable[[], None]:
+    """Set ``model.loss_function`` to `FusedCausalLMLoss`; returns the function that undoes it."""
+    had_own = "_loss_function" in model.__dict__
+    own = model.__dict__.get("_loss_function")
+    model.loss_function = FusedCausalLMLoss(model.loss_function, ignore_index)
+
+    def undo() -> None:
+        if had_own:
+            model.__dict__["_loss_function"] = own
+        else:
+            model.__dict__.pop("_loss_function", None)
+
+    return undo
+
+
+__all__ = [
+    "FusedCausalLMLoss",
+    "FusedLabelSmoother",
+    "causal_loss_denominator",
+    "install_fused_causal_loss",
+    "why_loss_is_not_reproduced",
+]

@@ -1,0 +1,33 @@
+"""The options of the fused loss (docs/methods.md §16, docs/performance.md §1.1): fields of
+`aniso_plugins.AnisoConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aniso_plugins.core.errors import ConfigError
+from aniso_plugins.core.options import Options, check_positive_or_none
+
+
+@dataclass(frozen=True)
+class FusedLossOptions(Options):
+    """The fused chunked cross-entropy in place of the model's training loss."""
+
+    fused_loss: bool | None = None
+    """Compute the training loss in the LM head, chunk by chunk (no (N, V) logits; AGG-gated
+    when AGG is on). None (default): when AGG is on and the adapter reproduces the model's own
+    loss exactly (torchtitan's cross-entropy; in HF and Lightning, causal LMs that compute their
+    loss from the head's logits with transformers' loss function), else the model's own loss,
+    with an info line saying why. True: also without AGG; an error where it cannot be exact.
+    False: never (AGG then runs as the gated head)."""
+    fused_chunk_size: int | None = None
+    """Token rows per chunk of the fused loss; None: 1024, or fewer where a chunk's float32
+    logits would exceed 256 MiB (`aniso_plugins.methods.fused_loss.cross_entropy.default_chunk_rows`)."""
+
+    def validate(self) -> None:
+        if self.fused_loss not in (None, True, False):
+            raise ConfigError(f"fused_loss={self.fused_loss!r}: expected True, False or None (automatic)")
+        check_positive_or_none("fused_chunk_size", self.fused_chunk_size)
+
+
+__all__ = ["FusedLossOptions"]

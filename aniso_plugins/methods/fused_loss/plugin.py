@@ -1,0 +1,71 @@
+"""The fused-loss plugin: decides whether the LM head computes the training loss, and arms it.
+
+Asked after set-up (`aniso_head_computes_loss`), it fuses when ``config.fused_loss`` is True,
+or is None and a plugin gates the head's weight gradient (AGG installed the training head), and
+the adapter reproduces the model's own loss exactly (``owns_loss``; else ``why_not`` says why,
+logged once at info level, or raised for ``fused_loss=True``). Fusing, it installs the training
+head if no plugin did, and on each training micro-batch (after the other plugins' `aniso_targets`,
+so AGG's gates are armed first) makes the head's next forward return the micro-batch's loss
+(`aniso_plugins.methods.fused_loss.head.TrainingHead.fuse`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from aniso_plugins.core.config import AnisoConfig, ConfigError
+from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.plugin_base import Plugin
+from aniso_plugins.core.steps import RunInfo, StepInfo
+from aniso_plugins.methods.fused_loss.head import TrainingHead, check_linear_head
+
+logger = logging.getLogger("aniso_plugins")
+
+
+class FusedLossPlugin(Plugin):
+    """Reads ``fused_loss``, ``fused_chunk_size`` and ``ignore_index``; built for every run."""
+
+    name = "fused_loss"
+
+    def __init__(self, config: AnisoConfig) -> None:
+        super().__init__(config)
+        self.head: TrainingHead | None = None
+        self._smoothing = 0.0
+
+    @hookimpl
+    def aniso_head_computes_loss(self, owns_loss: bool, why_not: str) -> bool:
+        wanted = self.config.fused_loss
+        model: ModelHandle = self.model
+        installed = TrainingHead.installed_on(model.head())
+        if wanted is False or (wanted is None and not (installed is not None and installed.gated)):
+            return False
+        if not owns_loss:
+            if wanted:
+                raise ConfigError(f"fused_loss=True: {why_not}; set fused_loss=None (automatic) or False")
+            logger.info("aniso_plugins: AGG runs as the gated LM head, not the fused loss: %s", why_not)
+            return False
+        if installed is None:
+            check_linear_head(model.head(), framework_forward=model.framework_wraps_head_forward, who="fused_loss")
+            installed = TrainingHead(model.head(), ignore_index=self.config.ignore_index)
+            model.on_restore(installed.remove)
+        installed.chunk_size = self.config.fused_chunk_size
+        self.head = installed
+        return True
+
+    @hookimpl
+    def aniso_begin_training(self, run: RunInfo) -> None:
+        self._smoothing = run.label_smoothing
+
+    @hookimpl(trylast=True)
+    def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
+        if self.head is None:
+            return
+        if not self.head.armed:  # no plugin gates the head: the plain fused loss
+            self.head.arm(targets)
+        self.head.fuse(step.loss_normalizer, self._smoothing)
+
+
+__all__ = ["FusedLossPlugin"]
