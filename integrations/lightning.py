@@ -29,6 +29,18 @@ FSDP2 average identical per-rank terms); metrics measured on every rank after th
 step when Lightning will write logs (or every ``config.metrics_every`` steps) and logged with
 ``log_dict(sync_dist=False)`` because the core already reduced them; plugin state in the
 checkpoint through ``state_dict`` / ``load_state_dict``.
+
+The fused loss (``fused_loss``; docs/methods.md §16), in one of two routes:
+
+- the module's own loss: a LightningModule that declares ``aniso_loss_fn = None`` gets it set
+  to `AnisoCallback.loss_fn` and returns ``self.aniso_loss_fn(hidden)`` (the head's input; the
+  targets are the batch's, read by the callback): the mean token cross-entropy, computed in
+  the head chunk by chunk (AGG-gated with AGG; by default with AGG, or always with
+  ``fused_loss=True``) or, without the fused loss, from the head's logits;
+- an HF causal LM inside the module whose ``outputs.loss`` is the training loss: with
+  ``fused_loss=True``, as in the HF adapter (the model's ``loss_function`` takes the head's
+  fused sum). Not by default: the module may read ``outputs.logits`` in training, which are
+  then the 0-dim loss.
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession, find_handle
+from aniso_plugins import AnisoConfig, ModelHandle, OutputEmbeddingsHandle, SetupError, TrainingSession, find_handle
+from aniso_plugins.core.causal_loss import install_fused_causal_loss, why_loss_is_not_reproduced
 from aniso_plugins.core.targets import TargetRule, target_rule
 
 try:
@@ -77,6 +91,8 @@ class AnisoCallback(pl.Callback):
         self._targets = targets
         self._rule: TargetRule | None = None
         self._stepped_at: int | None = None
+        self._module_loss = False  # the LightningModule declares aniso_loss_fn
+        self._batch_targets: torch.Tensor | None = None  # the current batch's, for loss_fn
         self._eval_batch = contextlib.ExitStack()  # session.evaluating(...) from batch start to end
 
     @property
@@ -100,8 +116,52 @@ class AnisoCallback(pl.Callback):
             raise SetupError("AnisoCallback needs automatic optimization (manual optimization is not supported)")
         handle = find_handle(pl_module, **self._paths)
         rule = target_rule(self._targets, handle.model if isinstance(handle, OutputEmbeddingsHandle) else None)
-        self.session.setup(handle)
+        self._module_loss = hasattr(type(pl_module), "aniso_loss_fn")
+        why_not = None if self._module_loss else self._why_model_loss_is_not_owned(handle)
+        self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")
+        if self.session.head_computes_loss and not self._module_loss:
+            handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index))
+        if self._module_loss:
+            pl_module.aniso_loss_fn = self.loss_fn
+            handle.on_restore(lambda: setattr(pl_module, "aniso_loss_fn", None))
         self._rule = rule
+
+    def _why_model_loss_is_not_owned(self, handle: ModelHandle) -> str | None:
+        """Why the fused loss cannot be the loss of an HF model inside the module, or None."""
+        if not isinstance(handle, OutputEmbeddingsHandle):
+            return "the LightningModule computes its own loss: declare aniso_loss_fn = None on it and return self.aniso_loss_fn(hidden)"
+        if self.config.ignore_index != -100:
+            return f"ignore_index={self.config.ignore_index}, but transformers' losses ignore -100"
+        if self.config.fused_loss is not True:
+            return (
+                "the LightningModule may read its model's training logits: declare aniso_loss_fn = None on it and "
+                "return self.aniso_loss_fn(hidden), or set fused_loss=True if it uses only outputs.loss"
+            )
+        return why_loss_is_not_reproduced(handle.model)
+
+    def loss_fn(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The token loss of `hidden`, the LM head's input at every position (..., d), against
+        the batch's targets aligned with the head's outputs (`targets`, or None: those the
+        callback read from the current batch, e.g. the shifted labels of a causal LM with
+        ``ignore_index`` at the last position): Σ_{i: y_i ≠ ignore_index} CE_i / (their number),
+        as ``F.cross_entropy``. In a training micro-batch with the fused loss it is the head's
+        fused chunked loss (no logits); otherwise the cross-entropy of the head's float32 logits."""
+        head = self.session.handle.head()
+        batch_targets = self._batch_targets
+        if targets is None:
+            if batch_targets is None:
+                raise SetupError("AnisoCallback.loss_fn: no batch was read (call it inside training_step / validation_step)")
+            targets = batch_targets
+        elif batch_targets is not None and not torch.equal(targets.to(batch_targets.device), batch_targets):
+            raise SetupError(
+                "AnisoCallback.loss_fn: the targets are not those read from this batch (the callback's targets= rule, "
+                "aligned with the LM head's outputs): pass the same ids, or none"
+            )
+        if self.session.head_computes_loss and head.training and torch.is_grad_enabled():
+            return head(hidden)
+        logits = head(hidden)
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        return F.cross_entropy(flat, targets.reshape(-1).to(logits.device), ignore_index=self.config.ignore_index)
 
     def detach(self, keep_head: bool = False) -> None:
         """Undo what this callback did to the model: its forwards, hooks, head and tying are
@@ -134,11 +194,13 @@ class AnisoCallback(pl.Callback):
         last = batch_idx - window_start == window - 1
         step = trainer.global_step + 1
         read = self._read(batch)
+        self._batch_targets = read.targets if self._module_loss else None
         self.session.begin_micro_batch(
             read.targets,
             step=step,
             accumulation_steps=window,
             measure=self._due(trainer, step),
+            loss_normalizer=(read.targets != self.config.ignore_index).sum() if self._module_loss else None,
             input_ids=read.input_ids,
             attention_mask=read.attention_mask,
             sequence_ids=read.sequence_ids,
@@ -162,6 +224,8 @@ class AnisoCallback(pl.Callback):
 
     # --- evaluation -------------------------------------------------------------------------
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if self._module_loss:
+            self._batch_targets = self._read(batch).targets
         if not trainer.sanity_checking and self.session.wants_eval_batches:
             self._eval_batch.enter_context(self.session.evaluating(self._read(batch).targets))
 

@@ -41,7 +41,7 @@ from transformers import (
     default_data_collator,
 )
 
-from aniso_plugins import AnisoConfig, SetupError
+from aniso_plugins import AnisoConfig, ConfigError, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 
 import zoo
@@ -69,6 +69,8 @@ def method_config(method: str, **extra) -> AnisoConfig:
         "cosreg": lambda: AnisoConfig(method="cosreg", reg_weight=REG_WEIGHT, **common),
         "lowrank": lambda: AnisoConfig(head="lowrank", lowrank_rank=RANK, lowrank_init="svd", **common),
         "simctg": lambda: AnisoConfig(method="simctg", simctg_weight=SIMCTG_WEIGHT, simctg_margin=SIMCTG_MARGIN, **common),
+        "fused": lambda: AnisoConfig(method="none", fused_loss=True, **common),
+        "agg_gated": lambda: AnisoConfig(method="agg", alpha=ALPHA, window=WINDOW, fused_loss=False, **common),
     }[method]()
 
 
@@ -214,10 +216,28 @@ def assert_distinct(a, b, tol_scale, what, factor=20.0, relative_norm=False):
     assert d > factor * tol_scale, f"{what}: the method's reference is too close to the alternative ({d:.2e})"
 
 
+def fused(run) -> bool:
+    """Whether the run's head returned the fused loss (a 0-dim tensor) instead of logits."""
+    return run.mbs[0].z is not None and run.mbs[0].z.dim() == 0
+
+
+def check_loss(run, ref, rtol=1e-5, what="run"):
+    """The loss the Trainer trained on (``training_step``'s return, summed over the step's
+    micro-batches) equals the float64 reference Σ CE / (the step's valid targets)."""
+    assert len(run.rec.losses) == len(run.mbs), f"{what}: {len(run.rec.losses)} losses for {len(run.mbs)} micro-batches"
+    got, want = sum(run.rec.losses), float(sum(p["loss"] for p in ref["parts"]))
+    assert abs(got - want) <= rtol * abs(want), f"{what}: the Trainer's loss {got!r} != the float64 reference {want!r}"
+
+
 def check_reference_matches_trainer(arch, run, ref, rtol=1e-4, what="run"):
     """Self-check of the reference against the Trainer's own computation (not a library check
-    when the method leaves the loss alone): the head's output, the gradient reaching it."""
+    when the method leaves the loss alone): the head's output, the gradient reaching it; with
+    the fused loss (no logits), the gradient reaching the head's input."""
     for m, (mb, r) in enumerate(zip(run.mbs, ref["parts"])):
+        if fused(run):
+            assert mb.gx is not None, f"{what}: the gradient at the head input was not captured"
+            assert_close(mb.gx, r["dx"], f"{what} micro-batch {m}: gradient at the head input vs reference CE", rtol=rtol)
+            continue
         assert mb.z is not None and mb.gz is not None, f"{what}: the LM head's output / its gradient was not captured"
         assert_close(mb.z, r["z"], f"{what} micro-batch {m}: head output vs x·Wᵀ + b", rtol=1e-5 if rtol < 1e-3 else rtol)
         assert_close(mb.gz, r["dz"], f"{what} micro-batch {m}: gradient at the head output vs reference CE", rtol=rtol)
@@ -233,7 +253,8 @@ def check_logged(run, *extra_keys):
 def check_forward_identical(run, base, what="first training forward"):
     x, z, bx, bz = run.mbs[0].x, run.mbs[0].z, base.mbs[0].x, base.mbs[0].z
     assert torch.equal(x, bx), f"{what}: the head's input differs from the run without the callback (max {err(x, bx):.3e})"
-    assert torch.equal(z, bz), f"{what}: the head's output differs from the run without the callback (max {err(z, bz):.3e})"
+    if not fused(run):  # the fused head returns the loss, not logits
+        assert torch.equal(z, bz), f"{what}: the head's output differs from the run without the callback (max {err(z, bz):.3e})"
 
 
 def shifted(labels_list):
@@ -276,11 +297,15 @@ def check_method(arch, method, run, base, *, tied=None, alt_targets=None, segmen
     if method == "lowrank":
         check_lowrank(arch, run, base, targets)
         return
+    if method in ("agg", "fused"):  # the default: AGG fused where the model's loss is reproduced exactly
+        assert fused(run) == arch.fused, f"{arch.name}/{method}: fused loss {fused(run)}, expected {arch.fused}"
     if forward:
         check_forward_identical(run, base)
-    ref = output_side(arch, run, "agg" if method == "agg" else "plain", smoothing=smoothing)
+    gated = method in ("agg", "agg_gated")
+    ref = output_side(arch, run, "agg" if gated else "plain", smoothing=smoothing)
     check_reference_matches_trainer(arch, run, ref, rtol=rtol if not relative_norm else 5e-2, what=f"{arch.name}/{method}")
-    plain = output_side(arch, run, smoothing=smoothing) if method == "agg" else ref
+    check_loss(run, ref, rtol=1e-5 if not relative_norm else 1e-2, what=f"{arch.name}/{method}")
+    plain = output_side(arch, run, smoothing=smoothing) if gated else ref
     if tied:
         base_plain = output_side(arch, base, smoothing=smoothing)
         lookup = base.grads["weight"].double() - base_plain["dW"]
@@ -288,7 +313,7 @@ def check_method(arch, method, run, base, *, tied=None, alt_targets=None, segmen
         lookup = torch.zeros_like(ref["dW"])
     expected = lookup + ref["dW"]
     alternatives = {}
-    if method == "agg":
+    if gated:
         assert_distinct(lookup + ref["dW"], lookup + plain["dW"], rtol if relative_norm else rtol * float(expected.abs().max()),
                         f"{arch.name}: AGG gating", relative_norm=relative_norm)
         if alt_targets is not None:  # diagnosis: gates from other (e.g. causally shifted) targets
@@ -354,13 +379,20 @@ def check_lowrank(arch, run, base, targets):
     assert tuple(head.A.shape) == (VOCAB, RANK) and tuple(head.B.shape) == (RANK, run.w_before.shape[1])
 
 
-METHODS = ["none", "agg", "cosreg", "lowrank", "simctg"]
+METHODS = ["none", "agg", "agg_gated", "fused", "cosreg", "lowrank", "simctg"]
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("arch_name", list(ARCHS))
+CELLS = [(a, m) for a in ARCHS for m in METHODS if m != "agg_gated" or ARCHS[a].fused]
+"""agg_gated (AGG with fused_loss=False) only where AGG is fused by default: elsewhere the 'agg' cell is it."""
+
+
+@pytest.mark.parametrize("arch_name,method", CELLS)
 def test_architecture_method(arch_name, method, tmp_path, zoo_tmp):
     arch = ARCHS[arch_name]
+    if method == "fused" and not arch.fused:  # its loss is not ForCausalLMLoss of the head's output
+        with pytest.raises(ConfigError, match=f"fused_loss=True: {type(arch.build()).__name__}"):
+            train(arch, tmp_path, method_config(method), record=False)
+        return
     base = arch_baseline(arch_name, zoo_tmp)
     run = train(arch, tmp_path, method_config(method))
     alt = shifted([mb.batch["labels"] for mb in run.mbs]) if arch.kind != "causal" else None
@@ -455,6 +487,8 @@ def check_bf16_forward(run, base):
     float32 (documented): equal to within one bf16 rounding."""
     x, z, bx, bz = run.mbs[0].x, run.mbs[0].z, base.mbs[0].x, base.mbs[0].z
     assert torch.equal(x, bx), f"bf16: the head's input differs from the run without the callback ({err(x, bx):.3e})"
+    if fused(run):
+        return
     scale = float(bz.float().abs().max())
     assert err(z.float(), bz.float()) <= 2**-7 * scale, f"bf16: head output differs by {err(z.float(), bz.float()):.3e}"
 

@@ -301,23 +301,24 @@ class Arch:
     tied: bool  # head weight is the input embedding's Parameter
     post: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _identity  # the model's own transform after the head
     seq2seq_trainer: bool = False  # train with Seq2SeqTrainer instead of Trainer
+    fused: bool = False  # a causal LM whose loss is ForCausalLMLoss of its head's output: the fused loss reproduces it
 
     def data(self, **kw):
         return {"causal": CausalData, "masked": MaskedData, "seq2seq": Seq2SeqData}[self.kind](**kw)
 
 
 ARCHS: dict[str, Arch] = {a.name: a for a in [
-    Arch("gpt2", gpt2, "causal", tied=True),
-    Arch("llama_tied", lambda: llama(tied=True), "causal", tied=True),
-    Arch("llama_untied", lambda: llama(tied=False), "causal", tied=False),
-    Arch("qwen2", qwen2, "causal", tied=False),
-    Arch("mistral", mistral, "causal", tied=False),
+    Arch("gpt2", gpt2, "causal", tied=True, fused=True),
+    Arch("llama_tied", lambda: llama(tied=True), "causal", tied=True, fused=True),
+    Arch("llama_untied", lambda: llama(tied=False), "causal", tied=False, fused=True),
+    Arch("qwen2", qwen2, "causal", tied=False, fused=True),
+    Arch("mistral", mistral, "causal", tied=False, fused=True),
     Arch("gemma2_softcap", gemma2, "causal", tied=True, post=_softcap),
-    Arch("gemma", gemma, "causal", tied=True),
-    Arch("gpt_neox", gpt_neox, "causal", tied=False),
-    Arch("opt", opt, "causal", tied=True),
-    Arch("phi_bias", phi, "causal", tied=False),
-    Arch("falcon", falcon, "causal", tied=True),
+    Arch("gemma", gemma, "causal", tied=True, fused=True),
+    Arch("gpt_neox", gpt_neox, "causal", tied=False, fused=True),
+    Arch("opt", opt, "causal", tied=True, fused=True),
+    Arch("phi_bias", phi, "causal", tied=False, fused=True),
+    Arch("falcon", falcon, "causal", tied=True, fused=True),
     Arch("bert_mlm", bert, "masked", tied=True),
     Arch("t5", t5, "seq2seq", tied=True),
     Arch("bart", bart, "seq2seq", tied=True, post=_final_logits_bias, seq2seq_trainer=True),
@@ -375,6 +376,16 @@ class Recorder(TrainerCallback):
         ]
         if lookups:
             self.handles.append(model.get_input_embeddings().register_forward_hook(self._lookup))
+        self.losses: list[float] = []  # what Trainer.training_step returned, per micro-batch of the first step
+        training_step = trainer.training_step
+
+        def recording_training_step(*args, **kwargs):
+            loss = training_step(*args, **kwargs)
+            if self.active:
+                self.losses.append(float(loss))
+            return loss
+
+        trainer.training_step = recording_training_step
         trainer.add_callback(self)
 
     def _training(self, module):
