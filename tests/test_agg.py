@@ -538,8 +538,8 @@ def test_head_in_chunks_and_fused_give_the_reference_gradient():
     assert fused.dim() == 0 and not installed.armed
     for got, want in zip(grads(fused, h, head.weight), ref):
         assert rel_err(got, want) < 1e-12
-    installed.arm(y, gates, chunks=2)
-    with pytest.raises(ValueError, match="chunks=1"):
+    installed.disarm()
+    with pytest.raises(ValueError, match="arm the micro-batch first"):
         installed.fuse(torch.tensor(5.0))
 
 

@@ -97,7 +97,6 @@ class TargetChunks:
             raise ValueError(f"chunks={chunks!r}: expected an integer >= 1")
         self._pieces = list(targets.chunk(chunks, dim=-1)) if chunks > 1 else [targets]
         self._next = 0
-        self.chunks = chunks
 
     def take(self, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor | None:
         """The next piece; None when all were used, or when `shape` (a head output's leading

@@ -52,6 +52,7 @@ class TrainingHead:
         self._own_forward = "forward" in module.__dict__
         self._original = module.forward
         self._targets: TargetChunks | None = None
+        self._whole: torch.Tensor | None = None
         self._gates: AGGGates | None = None
         self._fused: tuple[torch.Tensor | None, float] | None = None  # (normalizer, label smoothing)
         self._warned = False
@@ -68,19 +69,22 @@ class TrainingHead:
         the next forward, or for the next `chunks` forwards (equal chunks of the last target
         dimension, in order)."""
         self._targets = TargetChunks(targets, chunks)
+        self._whole = targets
         self._gates = gates
         self._fused = None
 
     def fuse(self, normalizer: torch.Tensor | None = None, label_smoothing: float = 0.0) -> None:
-        """The armed micro-batch's next forward returns its fused loss: the summed token loss
-        divided by `normalizer` (None: the sum), label-smoothed by `label_smoothing`."""
-        if self._targets is None or self._targets.chunks != 1:
-            raise ValueError("TrainingHead.fuse: arm the whole micro-batch first (chunks=1: one call takes it all)")
+        """The armed micro-batch's next forward (one call on the whole micro-batch, whatever
+        `arm`'s ``chunks``) returns its fused loss: the summed token loss divided by `normalizer`
+        (None: the sum), label-smoothed by `label_smoothing`."""
+        if self._targets is None:
+            raise ValueError("TrainingHead.fuse: arm the micro-batch first")
+        self._targets = TargetChunks(self._whole, 1)
         self._fused = (normalizer, label_smoothing)
 
     def disarm(self) -> None:
         """Drop targets that no forward consumed."""
-        self._targets = self._gates = self._fused = None
+        self._targets = self._whole = self._gates = self._fused = None
 
     @property
     def armed(self) -> bool:

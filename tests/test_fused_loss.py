@@ -1,0 +1,188 @@
+"""The fused loss where the users are: the HF Trainer's and Lightning's training loss computed in
+the LM head chunk by chunk (docs/methods.md §16). References: a run of the same model and data
+without the callback (the model's own loss through the real Trainer), and F.cross_entropy of
+float64 logits. The model-zoo test covers every architecture family; this file the routes,
+the defaults and the refusals."""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+from aniso_plugins import AnisoConfig, ConfigError, agg_cross_entropy
+from aniso_plugins.integrations.hf import AnisoCallback
+from aniso_plugins.integrations.lightning import AnisoCallback as LightningCallback
+from hf_utils import TokenDataset, tiny_gpt2, tiny_llama
+from lightning_utils import GradCapture, LitLM, loader
+from token_data import VOCAB
+
+QUIET = dict(report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0, max_grad_norm=0.0)
+QUICK = dict(metrics=(), load_entry_points=False)
+
+
+def _train(tmp_path, model, config=None, steps=2, trainer_cls=Trainer, **args):
+    """Train `steps` optimizer steps; returns (the losses training_step returned, the final
+    head weight, the trainer)."""
+    callbacks = [AnisoCallback(config)] if config is not None else []
+    trainer = trainer_cls(
+        model=model,
+        args=TrainingArguments(output_dir=str(tmp_path), max_steps=steps, learning_rate=1e-2,
+                               **{**QUIET, "per_device_train_batch_size": 4, **args}),
+        train_dataset=TokenDataset(n=16, length=8, vocab=VOCAB, seed=1),
+        eval_dataset=TokenDataset(n=4, length=8, vocab=VOCAB, seed=2),
+        callbacks=callbacks,
+    )
+    losses = []
+    step = trainer.training_step
+    trainer.training_step = lambda *a, **k: losses.append(step(*a, **k)) or losses[-1]
+    trainer.train()
+    return [float(x) for x in losses], model.get_output_embeddings().weight.detach().clone(), trainer
+
+
+def test_float64_fused_label_smoothing_equals_f_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 7, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 11, (3, 7), generator=g)
+    y[0, :3] = -100
+    got = agg_cross_entropy(h, w, y, label_smoothing=0.2, chunk_size=4)
+    ref = F.cross_entropy((h @ w.T).reshape(-1, 11), y.reshape(-1), label_smoothing=0.2)
+    assert abs(float((got - ref).detach())) < 1e-12
+    for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert float((a - b).abs().max()) < 1e-12
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, lambda: tiny_llama(tied=False)], ids=["gpt2", "llama_untied"])
+@pytest.mark.parametrize("case", ["plain", "accumulation", "label_smoothing"])
+def test_hf_fused_loss_trains_exactly_as_the_models_own_loss(tmp_path, build, case):
+    args = {"accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
+            "label_smoothing": dict(label_smoothing_factor=0.1)}.get(case, {})
+    base, w_base, _ = _train(tmp_path / "base", build(), **args)
+    got, w_got, trainer = _train(tmp_path / "fused", build(), AnisoConfig(fused_loss=True, **QUICK), **args)
+    assert trainer.callback_handler.callbacks[1].session.head_computes_loss
+    assert len(got) == len(base) == 2 * (2 if case == "accumulation" else 1)
+    for a, b in zip(got, base):  # every micro-batch's loss, as the Trainer normalized it
+        assert abs(a - b) <= 2e-6 * abs(b), (got, base)
+    assert float((w_got - w_base).abs().max()) <= 1e-5 * float(w_base.abs().max())
+    if case == "label_smoothing":  # the smoothing reached the fused loss: the plain loss differs
+        plain, _, _ = _train(tmp_path / "plain", build(), AnisoConfig(fused_loss=True, **QUICK))
+        assert abs(plain[0] - got[0]) > 20 * 2e-6 * abs(got[0])  # near-uniform logits: a small but clear change
+
+
+def test_hf_evaluation_still_returns_logits_and_the_models_loss(tmp_path):
+    model = tiny_gpt2()
+    _, _, trainer = _train(tmp_path, model, AnisoConfig(method="agg", window=4, **QUICK))
+    assert trainer.callback_handler.callbacks[1].session.head_computes_loss  # AGG: fused by default
+    out = trainer.predict(trainer.eval_dataset)
+    assert out.predictions.shape == (4, 8, VOCAB)
+    logits = torch.as_tensor(out.predictions, dtype=torch.float64)
+    labels = torch.as_tensor(out.label_ids)
+    ref = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+    assert abs(out.metrics["test_loss"] - float(ref)) < 1e-5
+
+
+def test_hf_an_unreproducible_loss_stays_on_the_gated_head_with_one_info_line(tmp_path, caplog):
+    def own_loss(outputs, labels, num_items_in_batch=None):
+        logits = outputs["logits"]
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+    with caplog.at_level(logging.INFO, logger="aniso_plugins"):
+        base, w_base, trainer = _train(tmp_path, tiny_gpt2(), AnisoConfig(method="agg", window=4, **QUICK),
+                                       trainer_cls=lambda **kw: Trainer(compute_loss_func=own_loss, **kw))
+    assert not trainer.callback_handler.callbacks[1].session.head_computes_loss
+    lines = [r.getMessage() for r in caplog.records if "not the fused loss" in r.getMessage()]
+    assert lines == ["aniso_plugins: AGG runs as the gated LM head, not the fused loss: the Trainer has a "
+                     "compute_loss_func, which computes the loss from the logits"]
+    with pytest.raises(ConfigError, match="fused_loss=True: the Trainer has a compute_loss_func"):
+        _train(tmp_path, tiny_gpt2(), AnisoConfig(fused_loss=True, **QUICK),
+               trainer_cls=lambda **kw: Trainer(compute_loss_func=own_loss, **kw))
+
+
+def test_hf_a_trainer_subclass_with_its_own_compute_loss_is_not_fused(tmp_path):
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(**inputs)
+            return (out.loss, out) if return_outputs else out.loss
+
+    with pytest.raises(ConfigError, match="MyTrainer.compute_loss replaces the Trainer's loss"):
+        _train(tmp_path, tiny_gpt2(), AnisoConfig(fused_loss=True, **QUICK), trainer_cls=MyTrainer)
+
+
+def test_hf_a_metric_that_reads_the_training_logits_keeps_them(tmp_path):
+    _, _, trainer = _train(tmp_path, tiny_gpt2(), AnisoConfig(method="agg", window=4, metrics=("bottleneck",),
+                                                              load_entry_points=False), logging_steps=1)
+    assert not trainer.callback_handler.callbacks[1].session.head_computes_loss
+    assert any("aniso/bottleneck/" in k for r in trainer.state.log_history for k in r)
+
+
+def test_hf_detach_restores_the_loss_function_and_the_label_smoother(tmp_path):
+    model = tiny_gpt2()
+    before = model.loss_function
+    _, _, trainer = _train(tmp_path, model, AnisoConfig(fused_loss=True, **QUICK), label_smoothing_factor=0.1)
+    smoother = trainer.label_smoother
+    assert model.loss_function is not before and type(smoother).__name__ == "FusedLabelSmoother"
+    trainer.callback_handler.callbacks[1].detach()
+    assert model.loss_function is before and "_loss_function" not in model.__dict__
+    assert trainer.label_smoother is smoother.original
+
+
+# --- Lightning ----------------------------------------------------------------------------------
+class LitOwnLoss(LitLM):
+    """A LightningModule that computes its loss through the callback's loss_fn."""
+
+    aniso_loss_fn = None
+
+    def _loss(self, batch):
+        m = self.model
+        h = m.embed(batch["input_ids"])
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(h.shape[1])
+        for block in m.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.aniso_loss_fn(h)
+
+
+class Fused(pl.Callback):
+    """Records whether the session fused the loss (teardown after fit detaches the session)."""
+
+    def __init__(self, cb):
+        self.cb, self.seen = cb, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(self.cb.session.head_computes_loss)
+
+
+def _fit(tmp_path, module, config):
+    cap = GradCapture()
+    cb = LightningCallback(config, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
+    fused = Fused(cb)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         num_sanity_val_steps=0, callbacks=[cb, cap, fused], limit_val_batches=1, val_check_interval=2)
+    trainer.fit(module, loader(), loader(n=4))
+    assert len(set(fused.seen)) == 1
+    return cap.grads, fused.seen[0], trainer
+
+
+@pytest.mark.parametrize("method", ["none", "agg"])
+def test_lightning_loss_fn_is_fused_and_equals_the_modules_own_loss(tmp_path, method):
+    agg = dict(method="agg", window=4) if method == "agg" else {}
+    ref, _, _ = _fit(tmp_path, LitLM(tied=False), AnisoConfig(fused_loss=False, **agg, **QUICK))  # logits route
+    got, fused, trainer = _fit(tmp_path, LitOwnLoss(tied=False), AnisoConfig(fused_loss=True, **agg, **QUICK))
+    assert fused
+    for step_ref, step_got in zip(ref, got):
+        for name in ("model.lm_head.weight", "model.embed.weight"):
+            scale = float(step_ref[name].abs().max())
+            assert float((step_got[name] - step_ref[name]).abs().max()) <= 1e-5 * scale, name
+    assert "val_loss" in trainer.callback_metrics  # validation: loss_fn from the logits
+
+
+def test_lightning_agg_without_loss_fn_is_gated_and_says_why(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="aniso_plugins"):
+        _, fused, _ = _fit(tmp_path, LitLM(), AnisoConfig(method="agg", window=4, **QUICK))
+    assert not fused
+    assert any("declare aniso_loss_fn = None" in r.getMessage() for r in caplog.records)
