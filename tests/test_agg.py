@@ -153,13 +153,15 @@ def test_gate_errors(kwargs, error, words):
 
 
 CASES = {
-    "mixed": dict(rare_share=0.3),
+    "few_rare": dict(rare_share=0.1),  # under SPLIT_FRACTION: a full GEMM and a correction over the rare rows
+    "mixed": dict(rare_share=0.3),  # above it: one GEMM per row group
     "rare_majority": dict(rare_share=0.8),  # the smaller row group is the non-rare one
     "all_rare": dict(rare_share=1.0),
     "no_rare_targets": dict(rare_share=0.0),
     "no_rare_ids": dict(rare_ids=()),
     "3d": dict(shape=(4, 12)),
-    "many_rows": dict(n=1200, rare_share=0.45),  # several chunks of the smaller row group
+    "many_rows": dict(n=1200, rare_share=0.45),  # several chunks of each row group
+    "many_rows_few_rare": dict(n=3000, rare_share=0.12),  # several correction chunks
 }
 
 
@@ -167,8 +169,15 @@ CASES = {
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_agg_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
+    from aniso_plugins.methods.agg.gates import SPLIT_FRACTION
+
     h, W, b, y, a = make_case(dtype=dtype, **CASES[case])
     gates = agg_gates(a, 0.3)
+    rare_rows = float(((y != IGN) & gates.rare[y.clamp_min(0)]).float().mean())
+    if case.endswith("few_rare"):
+        assert rare_rows < SPLIT_FRACTION
+    elif case in ("mixed", "many_rows"):
+        assert SPLIT_FRACTION < rare_rows < 0.5
     h.requires_grad_(True)
     W.requires_grad_(True)
     b = b.requires_grad_(True) if with_bias else None

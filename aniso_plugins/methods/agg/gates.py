@@ -30,8 +30,11 @@ __all__ = ["AGGGates", "agg_gates", "agg_linear"]
 
 #: The official code's guard on the mean rare count: g2 = min(c_k / (c̄_r + 1e-7), 1).
 G2_EPS = 1e-7
-#: Rows of the smaller row group processed per GEMM in `agg_linear`'s backward.
+#: Rows of a row group gathered per GEMM in `agg_linear`'s backward.
 _GROUP_CHUNK = 256
+#: Above this fraction of rows in the smaller row group, `agg_linear`'s backward runs one GEMM per
+#: group instead of a full GEMM plus a correction over the group (docs/performance.md §3.2).
+SPLIT_FRACTION = 0.2
 
 
 @dataclass(frozen=True)
@@ -279,23 +282,43 @@ def _gated_weight_grad(
     acc: torch.dtype,
 ) -> torch.Tensor:
     """(G ⊙ Γ)ᵀ X accumulated in `acc`, its GEMMs on `compute` operands (`addmm_in_`), without
-    forming G ⊙ Γ (see the module docstring)."""
+    forming G ⊙ Γ (see the module docstring). Up to `SPLIT_FRACTION` of the rows in the smaller
+    group S: diag(base)·GᵀX plus a correction GEMM over S; above it (up to half the rows, where
+    the correction would cost half a GEMM more) the two groups' GEMMs over their own rows,
+    diag(base)·G_¬SᵀX_¬S + diag(other)·G_SᵀX_S: the FLOPs of one GEMM, for a second V × d buffer
+    and the rows gathered `_GROUP_CHUNK` at a time."""
     valid = y != ignore_index
     rg = row_gating(gates, y, valid, acc)
-    dw = torch.zeros(G.shape[1], X.shape[1], dtype=acc, device=G.device)
-    addmm_in_(dw, G.T, X, compute)
-    dw.mul_(rg.base[:, None])
     rows = rg.in_other.nonzero().squeeze(1)
-    diff = rg.other - rg.base
-    for s in range(0, rows.numel(), _GROUP_CHUNK):
-        r = rows[s : s + _GROUP_CHUNK]
-        addmm_in_(dw, (G[r].to(acc) * diff).T, X[r], compute)
+    v, d = G.shape[1], X.shape[1]
+    dw = torch.zeros(v, d, dtype=acc, device=G.device)
+    if rows.numel() <= SPLIT_FRACTION * G.shape[0]:
+        addmm_in_(dw, G.T, X, compute)
+        dw.mul_(rg.base[:, None])
+        diff = rg.other - rg.base
+        for s in range(0, rows.numel(), _GROUP_CHUNK):
+            r = rows[s : s + _GROUP_CHUNK]
+            addmm_in_(dw, (G[r].to(acc) * diff).T, X[r], compute)
+    else:
+        _add_rows_product(dw, G, X, (~rg.in_other).nonzero().squeeze(1), compute)
+        dw.mul_(rg.base[:, None])
+        other = torch.zeros_like(dw)
+        _add_rows_product(other, G, X, rows, compute)
+        dw.addcmul_(other, rg.other[:, None])
+        del other
     fixed = rg.target_fix.nonzero().squeeze(1)
     if fixed.numel():
         yf = y[fixed]
         coef = rg.target_fix[fixed] * G[fixed, yf].to(acc)
         dw.index_add_(0, yf, coef[:, None] * X[fixed].to(acc))
     return dw
+
+
+def _add_rows_product(out: torch.Tensor, G: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> None:
+    """``out += G[rows]ᵀ X[rows]``, `_GROUP_CHUNK` gathered rows per GEMM."""
+    for s in range(0, rows.numel(), _GROUP_CHUNK):
+        r = rows[s : s + _GROUP_CHUNK]
+        addmm_in_(out, G[r].T, X[r], compute)
 
 
 def agg_linear(
