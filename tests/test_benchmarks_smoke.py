@@ -88,3 +88,14 @@ def test_gpu_script_smoke_mode_prints_every_table(tmp_path):
     for variant in ("plain", "fused_ones", "fused_typical"):  # ours ran at both cells (a peer may fail)
         assert done.stderr.count(f"{{'{variant}': 'ok'}}") == 2, variant
     assert "| zipf1.2 |" in out and "| uniform |" in out
+
+
+def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
+    """benchmarks/hf_step.py --smoke: four real-Trainer variants, a table and the JSON of its numbers."""
+    cmd = [sys.executable, os.path.join(BENCH, "hf_step.py"), "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert rows == ["plain", "mle_fused", "agg_fused", "agg_gated"]
+    (result,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
+    assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
