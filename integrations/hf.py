@@ -524,8 +524,6 @@ def _with_set_up(model_init: Callable, set_up: Callable[[nn.Module], None]) -> C
 def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle, config: AnisoConfig) -> str | None:
     """None if the fused loss reproduces `trainer`'s training loss of the handle's model exactly
     (``Trainer.compute_loss`` of a conventional causal LM, `why_loss_is_not_reproduced`), else why not."""
-    if config.ignore_index != -100:
-        return f"ignore_index={config.ignore_index}, but transformers' losses ignore -100"
     if trainer.compute_loss_func is not None:
         return "the Trainer has a compute_loss_func, which computes the loss from the logits"
     own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (Trainer, AnisoTrainerMixin)]
@@ -534,7 +532,7 @@ def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle
     name = handle.model._get_name()
     if trainer.label_smoother is not None and name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         return f"label smoothing of {name}, which the Trainer does not shift as a causal LM"
-    return why_loss_is_not_reproduced(handle.model)
+    return why_loss_is_not_reproduced(handle.model, config.ignore_index)
 
 
 def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:

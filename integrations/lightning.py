@@ -130,14 +130,12 @@ class AnisoCallback(pl.Callback):
         """Why the fused loss cannot be the loss of an HF model inside the module, or None."""
         if not isinstance(handle, OutputEmbeddingsHandle):
             return "the LightningModule computes its own loss: declare aniso_loss_fn = None on it and return self.aniso_loss_fn(hidden)"
-        if self.config.ignore_index != -100:
-            return f"ignore_index={self.config.ignore_index}, but transformers' losses ignore -100"
         if self.config.fused_loss is not True:
             return (
                 "the LightningModule may read its model's training logits: declare aniso_loss_fn = None on it and "
                 "return self.aniso_loss_fn(hidden), or set fused_loss=True if it uses only outputs.loss"
             )
-        return why_loss_is_not_reproduced(handle.model)
+        return why_loss_is_not_reproduced(handle.model, self.config.ignore_index)
 
     def loss_fn(self, hidden: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The token loss of `hidden`, the LM head's input at every position (..., d), against

@@ -30,9 +30,12 @@ _HEAD_CALLS = ("float", "contiguous")
 """Methods a conventional forward may call on the head's output before naming it ``logits``."""
 
 
-def why_loss_is_not_reproduced(model: nn.Module) -> str | None:
+def why_loss_is_not_reproduced(model: nn.Module, ignore_index: int) -> str | None:
     """None if `model` (a transformers causal LM, not PEFT-wrapped) computes its training loss
-    as ForCausalLMLoss of its head's unchanged output; otherwise what it does instead."""
+    as ForCausalLMLoss of its head's unchanged output and the run ignores its label −100
+    (`ignore_index`); otherwise what differs."""
+    if ignore_index != -100:
+        return f"ignore_index={ignore_index}, but transformers' losses ignore -100"
     name = type(model).__name__
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
@@ -108,6 +111,20 @@ def causal_loss_denominator(
     return (targets != ignore_index).sum()
 
 
+def _divided_by_denominator(
+    summed: torch.Tensor,
+    labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`summed` (the head's fused sum) / `causal_loss_denominator`, on `summed`'s device."""
+    denominator = causal_loss_denominator(labels, num_items_in_batch, ignore_index, shift_labels)
+    if torch.is_tensor(denominator):
+        denominator = denominator.to(summed.device)
+    return summed / denominator
+
+
 class FusedCausalLMLoss:
     """``model.loss_function`` while the head computes the fused loss: a 0-dim `logits` is the
     head's summed token loss, returned divided by `causal_loss_denominator`; real logits go to
@@ -127,10 +144,7 @@ class FusedCausalLMLoss:
                 f"the model's loss ignores the label {ignore_index}, the fused loss {self.ignore_index}: set "
                 f"AnisoConfig(ignore_index={ignore_index}) or fused_loss=False"
             )
-        denominator = causal_loss_denominator(labels, num_items_in_batch, ignore_index, shift_labels)
-        if torch.is_tensor(denominator):
-            denominator = denominator.to(logits.device)
-        return logits / denominator
+        return _divided_by_denominator(logits, labels, num_items_in_batch, ignore_index, shift_labels)
 
 
 class FusedLabelSmoother:
@@ -150,10 +164,7 @@ class FusedLabelSmoother:
             return self.original(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
         if not shift_labels:
             raise ValueError("the fused loss reproduces label smoothing of causal LMs only (shift_labels=True)")
-        denominator = causal_loss_denominator(labels, num_items_in_batch, self.ignore_index)
-        if torch.is_tensor(denominator):
-            denominator = denominator.to(logits.device)
-        return logits / denominator
+        return _divided_by_denominator(logits, labels, num_items_in_batch, self.ignore_index)
 
 
 def install_fused_causal_loss(model: nn.Module, ignore_index: int) -> Callable[[], None]:
