@@ -369,7 +369,7 @@ def peer_ratios(cell: Cell, fused: str) -> tuple[float, float, bool] | None:
 
 
 def _chunk_text(chunk: int) -> str:
-    return f"{chunk} rows" if chunk else "default_chunk_rows(V) rows (1024, 512 at V=131072, 256 at V=262144)"
+    return f"{chunk} rows" if chunk else "default_chunk_rows(V, N) rows (N/8 within 512-1024; 512 at V=262144)"
 
 
 def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, float]) -> None:
@@ -580,7 +580,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default="plain,agg_linear,fused_ones,fused_typical,cce_compile")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, default=0,
-                   help="token rows per chunk of the fused op (0: its default, default_chunk_rows(V))")
+                   help="token rows per chunk of the fused op (0: its default, default_chunk_rows(V, N))")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per variant (each next to a plain step)")
     p.add_argument("--time-flops", type=float, default=2.6e12, help="time cells with 6NVd at most this")
     p.add_argument("--run-flops", type=float, default=1.0e13, help="run one step at cells with 6NVd at most this")

@@ -447,7 +447,8 @@ def test_bf16_autocast_runs_and_is_close_to_fp32():
 class _MatmulDtypes(TorchDispatchMode):
     """Records the operand dtypes of every matrix product that reaches the dispatcher."""
 
-    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default}
+    PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.addmm_.default,
+                torch.ops.aten.mm.out, torch.ops.aten.addmm.out}
 
     def __init__(self):
         super().__init__()
@@ -473,6 +474,7 @@ def test_bf16_autocast_every_head_gemm_takes_bf16_operands_as_autograd():
         "autograd": lambda: three_logit_loss(h, W, y, gates),
         "agg_linear": lambda: F.cross_entropy(agg_linear(h, W, y, gates), y, ignore_index=IGN),
         "fused": lambda: agg_cross_entropy(h, W, y, gates, chunk_size=256),
+        "fused_staged": lambda: _with_stage_rows(7, lambda: agg_cross_entropy(h, W, y, gates, chunk_size=256)),
     }.items():
         mode = _MatmulDtypes()
         with torch.autocast("cpu", dtype=torch.bfloat16), mode:
@@ -482,8 +484,39 @@ def test_bf16_autocast_every_head_gemm_takes_bf16_operands_as_autograd():
             assert all(set(d) == {torch.bfloat16} for d in mode.seen), (name, mode.seen)
         errors[name] = rel_err(dw, ref_dw)
     assert errors["autograd"] < 2e-2
-    for name in ("agg_linear", "fused"):
+    for name in ("agg_linear", "fused", "fused_staged"):
         assert errors[name] < 2 * errors["autograd"], errors
+
+
+def _with_stage_rows(rows: int, run):
+    """`run()` with the CPU's float32 stage for bf16 logits cut to `rows` rows per block (V = 512),
+    so that a chunk takes many blocks and a last, shorter one."""
+    from aniso_plugins.methods.fused_loss import cross_entropy
+
+    saved = cross_entropy.STAGE_BYTES
+    cross_entropy.STAGE_BYTES = 4 * 512 * rows
+    try:
+        return run()
+    finally:
+        cross_entropy.STAGE_BYTES = saved
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_bf16_staged_fused_loss_and_input_gradient_match_float64(smoothing):
+    """bf16 autocast on the CPU: the chunk's bf16 logits go through the float32 stage in blocks
+    of rows. Loss and dX against float64 cross-entropy of the same bf16-rounded logits."""
+    h, W, b, y, a = make_case(n=600, v=512, d=64, dtype=torch.float32, rare_ids=(2, 5, 7))
+    hb, Wb = h.bfloat16().double().requires_grad_(True), W.bfloat16().double()
+    logits = (hb @ Wb.T).bfloat16().double()  # the GEMM's bf16 output, then float64
+    ref = F.cross_entropy(logits, y, ignore_index=IGN, label_smoothing=smoothing)
+    (ref_dh,) = torch.autograd.grad(ref, hb)
+    x = h.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _with_stage_rows(7, lambda: agg_cross_entropy(x, W, y, agg_gates(a, 0.3), chunk_size=256,
+                                                               label_smoothing=smoothing))
+    (dh,) = torch.autograd.grad(loss, x)
+    assert abs(float(loss) - float(ref)) < 1e-5 * float(ref)
+    assert rel_err(dh.double(), ref_dh) < 1e-2
 
 
 # --- TrainingHead --------------------------------------------------------------------------------------------

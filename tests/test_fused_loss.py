@@ -57,6 +57,37 @@ def test_float64_fused_label_smoothing_equals_f_cross_entropy():
         assert float((a - b).abs().max()) < 1e-12
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "agg"])
+def test_float32_fused_loss_where_the_target_probability_underflows(gated, smoothing):
+    """Rows whose target logit is hundreds of nats below the row's maximum: p_{i,y_i} underflows
+    float32 (its −log would be inf), so these rows take logsumexp − z_y from recomputed logits.
+    The reference is F.cross_entropy of the same logits in float64."""
+    from aniso_plugins import agg_gates
+
+    g = torch.Generator().manual_seed(3)
+    v, d = 40, 8
+    h = torch.randn(2, 24, d, generator=g)
+    w = torch.randn(v, d, generator=g)
+    y = torch.randint(0, v, (2, 24), generator=g)
+    y[1, :4] = -100
+    for i, j in [(0, 0), (0, 5), (1, 9), (1, 23)]:  # the target far below the rest: a loss of ≈ 300 nats
+        w_y = w[y[i, j]]
+        h[i, j] = -60.0 * w_y / w_y.norm() ** 2
+    gates = agg_gates(torch.rand(v, generator=g), 0.3) if gated else None
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.cross_entropy((h64 @ w64.T).reshape(-1, v), y.reshape(-1), label_smoothing=smoothing)
+    assert float(ref.detach()) * 2 * 24 > 4 * 200  # the four rows really are hundreds of nats
+    h32, w32 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    got = agg_cross_entropy(h32, w32, y, gates, label_smoothing=smoothing, chunk_size=7)
+    assert torch.isfinite(got) and abs(float(got) - float(ref)) < 1e-5 * float(ref)
+    dh, dw = torch.autograd.grad(got, (h32, w32))
+    rh, rw = torch.autograd.grad(ref, (h64, w64))
+    assert float((dh.double() - rh).abs().max()) < 1e-5 * float(rh.abs().max())
+    if not gated:  # the gated weight gradient is compared with the three-logit reference in test_agg.py
+        assert float((dw.double() - rw).abs().max()) < 1e-5 * float(rw.abs().max())
+
+
 @pytest.mark.parametrize("build", [tiny_gpt2, lambda: tiny_llama(tied=False)], ids=["gpt2", "llama_untied"])
 @pytest.mark.parametrize("case", ["plain", "accumulation", "label_smoothing"])
 def test_hf_fused_loss_trains_exactly_as_the_models_own_loss(tmp_path, build, case):

@@ -3,8 +3,10 @@ full N×V logits.
 
 The approach of Liger-Kernel's fused linear cross-entropy (docs/performance.md §1.1): the forward
 walks over chunks of token rows, computes a chunk of logits, its loss and its logit gradient
-G_c = (softmax − onehot)/normalizer, projects it at once (dX_c = G_c W, dW += G_cᵀ X_c) and
-keeps only dX, dW, db for the backward, which scales them by the incoming scalar gradient.
+G_c = (softmax − onehot)/D, projects it at once (dX_c = G_c W, dW += G_cᵀ X_c) and keeps only dX,
+dW, db for the backward, which scales them by the incoming scalar gradient. Two passes touch the
+chunk: one row-local softmax kernel, and the copy to the GEMM dtype under autocast; the loss is
+−log p_{i,y_i}, and the 1/D goes on the (rows, d) and V-sized results, not on the chunk.
 AGG's Γ (`aniso_plugins.methods.agg.gates`) costs no N×V pass: rows are ordered so that the larger row group
 (non-rare or rare targets) comes first; its chunks accumulate unscaled, then dW is scaled once
 by that group's gate vector, the smaller group's chunks are multiplied in place by theirs, and
@@ -24,19 +26,23 @@ from aniso_plugins.numerics.linalg import ROW_BLOCK
 
 __all__ = ["agg_cross_entropy", "default_chunk_rows"]
 
-CHUNK_LOGITS_BYTES = 256 * 2**20
+CHUNK_LOGITS_BYTES = 512 * 2**20
 """Budget of one float32 logits chunk when ``chunk_size`` is None (`default_chunk_rows`)."""
 MIN_CHUNK_ROWS = 256
 """Fewest default rows per chunk: smaller GEMMs and a dW pass per chunk are slow (docs/performance.md §1.1)."""
 
 
-def default_chunk_rows(vocab: int) -> int:
-    """Token rows per chunk when ``chunk_size`` is None: ``ROW_BLOCK`` (1024), or fewer where 1024
-    rows of float32 logits would exceed `CHUNK_LOGITS_BYTES` (V > 65536): 512 at V = 131072, 256
-    at V = 262144, never fewer than `MIN_CHUNK_ROWS`. Up to V = 262144 the peak is then dW + dX +
-    at most 256 MiB of logits, instead of growing by 4 KiB per vocabulary entry
-    (docs/performance.md §7.3)."""
-    return max(MIN_CHUNK_ROWS, min(ROW_BLOCK, CHUNK_LOGITS_BYTES // (4 * vocab)))
+def default_chunk_rows(vocab: int, tokens: int, logit_bytes: int = 4) -> int:
+    """Token rows per chunk when ``chunk_size`` is None: the rows whose logits (`logit_bytes`
+    each: 4 for float32, 2 for the bf16 logits of a CPU autocast step, whose float32 stage is a
+    few rows) take 1/8 of the bytes of the batch's float32 logits (N/8 rows in float32, N/4 in
+    bf16), at least 512 and at most ``ROW_BLOCK`` (1024); fewer where those rows would exceed
+    `CHUNK_LOGITS_BYTES` (float32 V > 131072): 512 at V = 262144, 256 at V = 524288, never fewer
+    than `MIN_CHUNK_ROWS`. At N = 4096, float32 512-row chunks cost 2-3% of the step against
+    1024-row ones and 256-row chunks 15%; in bf16 1024 rows were 10% faster than 512. The peak is
+    then dW + dX + at most 512 MiB of logits up to V = 524288 (docs/performance.md §7.3)."""
+    by_batch = min(ROW_BLOCK, max(ROW_BLOCK // 2, tokens * 4 // (8 * logit_bytes)))
+    return max(MIN_CHUNK_ROWS, min(by_batch, CHUNK_LOGITS_BYTES // (logit_bytes * vocab)))
 
 
 def _row_order(y: torch.Tensor, valid: torch.Tensor, gates, acc: torch.dtype):
@@ -60,6 +66,89 @@ def _add_target_rows(dw: torch.Tensor, coef: torch.Tensor, X: torch.Tensor, rows
         dw.index_add_(0, ys[s : s + chunk_size], coef[s : s + chunk_size, None] * X[rows[s : s + chunk_size]].to(dw.dtype))
 
 
+STAGE_BYTES = 8 * 2**20
+"""float32 rows of one block of the bf16-logits gradient stage on the CPU (`_Workspace.gradient`)."""
+
+
+class _Workspace:
+    """The chunk buffers of one call, allocated once and reused by every chunk (views of their
+    first rows for the last, shorter chunk). On the CPU a new tensor of tens of MiB is fresh
+    pages from the OS: a new logits chunk per chunk cost ≈ 4% of a float32 step, and the
+    per-chunk tensors of a bf16 step ≈ 30% (docs/performance.md §7.3)."""
+
+    def __init__(self, rows: int, v: int, d: int, compute: torch.dtype, acc: torch.dtype, device: torch.device,
+                 dw_product: bool) -> None:
+        self.acc = acc
+        self.logits = torch.empty(rows, v, dtype=compute, device=device)
+        # On the CPU, bf16 logits go through the float32 stage in blocks of rows that stay in cache
+        self.on_cpu = device.type == "cpu"
+        staged = self.on_cpu and compute != acc
+        self.block = max(1, STAGE_BYTES // (4 * v)) if staged else max(rows, 1)
+        self.stage = torch.empty(min(self.block, rows), v, dtype=acc, device=device) if staged else None
+        self.product = torch.empty(v, d, dtype=compute, device=device) if dw_product and compute != acc else None
+
+    def logits_of(self, xc: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = self.logits[: xc.shape[0]]
+        return torch.mm(xc, w.T, out=out) if b is None else torch.addmm(b, xc, w.T, out=out)
+
+    def _softmax(self, z: torch.Tensor) -> torch.Tensor:
+        """softmax over the rows of `z` in the accumulation dtype: one row-local kernel (each row
+        is read while it is in cache) instead of separate max, subtract, exp, sum and divide
+        passes. On the CPU in place (in the float32 stage for bf16 logits): the aten kernel
+        writes each row after reading it (tests/test_fused_loss.py compares with float64);
+        elsewhere torch.softmax's own output."""
+        if not self.on_cpu:
+            return torch.softmax(z, 1, dtype=self.acc)
+        if self.stage is not None:
+            z = self.stage[: z.shape[0]].copy_(z)
+        return torch.ops.aten._softmax.out(z, 1, False, out=z)
+
+    def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, p_target: torch.Tensor,
+                 target_grad: torch.Tensor | None, db: torch.Tensor | None) -> torch.Tensor:
+        """D·G = softmax(z) − (1 − ε)·onehot(y) − ε/V for the logits chunk `z`, in the GEMM dtype
+        (in place in the logits buffer on the CPU), computed in float32 block by block. Writes
+        p_{i,y_i} into `p_target` and G's target entries into `target_grad`, adds Σ_rows G into
+        `db` (each None: not wanted)."""
+        for i in range(0, z.shape[0], self.block):
+            zi, yi = z[i : i + self.block], yc[i : i + self.block]
+            g = self._softmax(zi)
+            p_target[i : i + zi.shape[0]] = g.gather(1, yi).squeeze(1)
+            if smoothing:
+                g.sub_(smoothing / zi.shape[1])
+            g.scatter_add_(1, yi, torch.full_like(yi, smoothing - 1.0, dtype=g.dtype))
+            if target_grad is not None:
+                target_grad[i : i + zi.shape[0]] = g.gather(1, yi).squeeze(1)
+            if db is not None:
+                db.add_(g.sum(0))
+            if g.dtype == z.dtype:
+                z = g  # float32 logits: the gradient is the chunk itself (one block)
+            elif self.stage is not None:
+                zi.copy_(g)
+            else:
+                return g.to(z.dtype)  # off the CPU: one block, a new tensor
+        return z
+
+
+def _scaled(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+    """``t · scale``, skipping the multiply when the scale is the number 1."""
+    return t if isinstance(scale, float) and scale == 1.0 else t * scale
+
+
+def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys: torch.Tensor, w: torch.Tensor,
+                b: torch.Tensor | None, compute: torch.dtype, chunk_size: int) -> torch.Tensor:
+    """Each row's −log p_{i,y_i} = logsumexp(z_i) − z_{i,y_i} from its target probability; rows whose
+    probability is below the dtype's smallest normal number (a loss above ≈ 87 nats in float32,
+    where −log p loses precision or is infinite) get logsumexp(z_i) − z_{i,y_i} from their logits,
+    recomputed (rare: one small GEMM for those rows only)."""
+    nll = p_target.log().neg_()
+    low = (p_target < torch.finfo(p_target.dtype).tiny).nonzero().squeeze(1)
+    for s in range(0, low.numel(), chunk_size):
+        at = low[s : s + chunk_size]
+        z = F.linear(X[rows[at]].to(compute), w, b).to(p_target.dtype)
+        nll[at] = torch.logsumexp(z, 1) - z.gather(1, ys[at, None]).squeeze(1)
+    return nll
+
+
 class _FusedAGGCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled):
@@ -77,51 +166,50 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
             dx = torch.zeros(X.shape, dtype=hidden.dtype, device=X.device) if want_dx else None
             dw = torch.zeros(v, d, dtype=acc, device=X.device) if want_dw else None
             db = torch.zeros(v, dtype=acc, device=X.device) if want_db else None
-            tv = torch.empty(n, dtype=acc, device=X.device)
-            loss = torch.zeros((), dtype=acc, device=X.device)
+            tv = torch.empty(n, dtype=acc, device=X.device) if gates is not None and want_dw else None
+            p_target = torch.empty(n, dtype=acc, device=X.device)
+            smooth = torch.empty(n, dtype=acc, device=X.device) if smoothing else None
             bounds = [(s, min(s + chunk_size, split)) for s in range(0, split, chunk_size)]
             bounds += [(s, min(s + chunk_size, n)) for s in range(split, n, chunk_size)]
             base_scaled = gates is None
+            space = _Workspace(max((e - s for s, e in bounds), default=0), v, d, compute, acc, X.device, want_dw)
+            if gates is not None:  # the 1/D goes into the gate multiplies, which touch dW and G_c anyway
+                base_gate, other_gate = _scaled(rg.base, scale), _scaled(rg.other, scale)
             for s, e in bounds:
                 if want_dw and not base_scaled and s >= split:
-                    dw.mul_(rg.base[:, None])
+                    dw.mul_(base_gate[:, None])
                     base_scaled = True
                 xc = X[rows[s:e]].to(compute)  # the chunk's rows only: no (N, d) copy of X
-                z = F.linear(xc, w, b).to(acc)
                 yc = ys[s:e, None]
-                target_logit = z.gather(1, yc).squeeze(1)
-                if smoothing:  # −Σ_k log p_ik / V = lse_i − mean_k z_ik
-                    target_logit = (1.0 - smoothing) * target_logit + smoothing * z.mean(1)
-                zmax = z.amax(1, keepdim=True)
-                z.sub_(zmax).exp_()
-                zsum = z.sum(1, keepdim=True)
-                loss += (zmax.squeeze(1) + zsum.squeeze(1).log() - target_logit).sum()
-                z.div_(zsum)  # softmax
-                if smoothing:
-                    z.sub_(smoothing / v)
-                z.scatter_add_(1, yc, torch.full_like(target_logit[:, None], smoothing - 1.0))
-                z.mul_(scale)  # G_c, the chunk's logit gradient
-                zc = z.to(compute)  # G_c for the GEMMs (z itself without autocast): one copy for dX and dW
+                z = space.logits_of(xc, w, b)
+                if smoothing:  # ε(z_iy − mean_k z_ik), the smoothing part of the row loss
+                    smooth[s:e] = smoothing * (z.gather(1, yc).squeeze(1).to(acc) - z.mean(1, dtype=acc))
+                # D·G_c, the chunk's logit gradient before the 1/D: that goes on the (rows, d) and
+                # V-sized results, not on the chunk
+                zc = space.gradient(z, yc, smoothing, p_target[s:e], None if tv is None else tv[s:e], db)
                 if want_dx:
-                    dx[rows[s:e]] = torch.mm(zc, w).to(hidden.dtype)
-                if want_db:
-                    db += z.sum(0)
+                    dx[rows[s:e]] = _scaled(torch.mm(zc, w).to(hidden.dtype), scale)
                 if want_dw:
-                    if gates is not None:
-                        tv[s:e] = z.gather(1, yc).squeeze(1)
-                        if s >= split:
-                            del zc
-                            zc = z.mul_(rg.other).to(compute)
-                    addmm_in_(dw, zc.T, xc, compute)
-                del z, zc  # free the chunk before the next one is allocated
+                    gate = other_gate if gates is not None and s >= split else None
+                    if gate is not None and zc.dtype == acc:
+                        zc.mul_(gate)  # G ⊙ gate: the float32 chunk itself
+                        gate = None
+                    addmm_in_(dw, zc.T, xc, compute, space.product, gate)  # in bf16, diag(gate)·GᵀX
+            space = z = zc = None  # free the chunk buffers before the row losses
+            if db is not None:
+                db = _scaled(db, scale)
+            nll = _row_losses(p_target, X, rows, ys, w, b, compute, chunk_size)
+            loss = (nll if smooth is None else nll + smooth).sum() * scale
             if want_dw and gates is not None:
                 if not base_scaled:
-                    dw.mul_(rg.base[:, None])
-                _add_target_rows(dw, rg.target_fix[rows] * tv, X, rows, ys, chunk_size)
+                    dw.mul_(base_gate[:, None])
+                _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, scale), X, rows, ys, chunk_size)
+            elif want_dw and not (isinstance(scale, float) and scale == 1.0):
+                dw.mul_(scale)
             if want_dx:
                 dx = dx.reshape(hidden.shape)
         ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
-        return loss * scale
+        return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -172,19 +260,23 @@ def agg_cross_entropy(
     for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (docs/methods.md §1.5),
     or the plain one when `gates` is None (then this is an ordinary fused linear CE).
 
-    Peak extra memory: one logits chunk (`chunk_size` × V, float32; `chunk_size` None: the
-    rows of `default_chunk_rows`, at most 256 MiB) and its temporaries beyond the gradients dW
-    (V × d, in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The
-    gradients are computed in the forward (skipped when grad mode is off, e.g. validation), so
-    the backward may run once. Under autocast all three GEMMs (logits, dX, dW) take
-    autocast-dtype operands, as autograd's; the logits chunk, its gradient and dW are float32,
-    and each chunk's dW product (V × d, autocast dtype) is added into dW
+    Peak extra memory: one logits chunk (`chunk_size` × V; `chunk_size` None: the rows of
+    `default_chunk_rows`, at most 512 MiB) and its temporaries beyond the gradients dW (V × d,
+    in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are
+    computed in the forward (skipped when grad mode is off, e.g. validation), so the backward
+    may run once. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
+    as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
+    goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
+    chunk's dW product (V × d, autocast dtype) is added into dW
     (`aniso_plugins.methods.agg.gates.addmm_in_`). `weight` must be the full (V, d) tensor (under FSDP2 call
     it where the head parameter is unsharded).
     """
     check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
+    dtypes = compute_dtypes(hidden, weight)
     if chunk_size is None:
-        chunk_size = default_chunk_rows(weight.shape[0])
+        compute, acc, _ = dtypes
+        staged = hidden.device.type == "cpu" and compute != acc  # `_Workspace`: bf16 logits, a float32 stage
+        chunk_size = default_chunk_rows(weight.shape[0], targets.numel(), compute.itemsize if staged else 4)
     elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(
             f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk) or None (the default)"
@@ -195,7 +287,6 @@ def agg_cross_entropy(
     if gates is not None:
         gates = gates.to(weight.device)
     targets = targets.to(hidden.device)
-    dtypes = compute_dtypes(hidden, weight)
     return _FusedAGGCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
         torch.is_grad_enabled(),

@@ -21,8 +21,9 @@ class FusedLossOptions(Options):
     with an info line saying why. True: also without AGG; an error where it cannot be exact.
     False: never (AGG then runs as the gated head)."""
     fused_chunk_size: int | None = None
-    """Token rows per chunk of the fused loss; None: 1024, or fewer where a chunk's float32
-    logits would exceed 256 MiB (`aniso_plugins.methods.fused_loss.cross_entropy.default_chunk_rows`)."""
+    """Token rows per chunk of the fused loss; None: an eighth of the micro-batch's tokens within
+    512-1024 rows, fewer where a chunk's float32 logits would exceed 512 MiB
+    (`aniso_plugins.methods.fused_loss.cross_entropy.default_chunk_rows`)."""
 
     def validate(self) -> None:
         if self.fused_loss not in (None, True, False):
