@@ -28,15 +28,17 @@ targets; typical gates from the appearance of 32k-token steps of the same law at
   load), so a variant that does not fit really runs out: "OOM" cells are such failures, with
   the seconds it ran before the allocation failed;
 - time: cells with 6NVd ≤ ``--time-flops`` are timed: after the first step, ``--rounds``
-  rounds each run the variant next to a plain step (alternating which goes first) and the
-  table gives the median of these paired ratios and the median seconds; cells above it and
+  rounds each run the variant next to a step of ``--baseline`` (plain by default; e.g.
+  ``cce_compile`` to pair the fused op with the peer directly) in the same process,
+  alternating which goes first, and the table gives the median of these paired ratios and the
+  median seconds; cells above it and
   up to ``--run-flops`` run one step (memory, and the seconds of that first step, unpaired);
   above ``--run-flops`` only ``--check-variants`` run, as an out-of-memory check stopped
   after ``--check-seconds`` ("not finished" then); the other cells say "not run" with the
   estimated seconds (6NVd over a measured GEMM rate);
 - the peer target of issue 16: fused time ≤ CCE torch_compile time and fused peak ≤ ½ of its
-  peak, at every cell where both ran (ratios of the medians; paired ratios when both were
-  timed against the same plain).
+  peak, at every cell where both ran (the median paired ratio with ``--baseline cce_compile``;
+  else the ratio of the two median paired ratios to the same plain, or of single steps).
 
 counter: `SlidingTokenCounter` with V = ``--counter-vocab``, ``--counter-tokens`` targets per
 step, window K = ``--window``, Zipf(1.2) and uniform targets: median update + step time and
@@ -200,7 +202,7 @@ def _free(inp: Inputs, device: torch.device) -> None:
 
 def _measure_variant(v: str, inp: Inputs, args, device: torch.device, pair: bool) -> dict:
     """First step (peak memory, seconds; on CUDA after one untimed step at the same size, which
-    absorbs Triton autotuning), then `args.rounds` rounds paired with plain. An allocation
+    absorbs Triton autotuning), then `args.rounds` rounds paired with `args.baseline`. An allocation
     failure is an "oom" result, any other error a "failed" one (a peer never stops the run)."""
     run = lambda name: elapsed(lambda: step(name, inp, device, args.dtype, args.chunk), device)
     start = time.perf_counter()
@@ -216,13 +218,13 @@ def _measure_variant(v: str, inp: Inputs, args, device: torch.device, pair: bool
     _free(inp, device)
     out = {"variant": v, "status": "ok", "peak": peak.bytes, "first_s": first, "times": [], "ratios": []}
     for r in range(args.rounds):
-        if not pair or v == "plain":
+        if not pair or v == args.baseline:
             out["times"].append(run(v))
             continue
         if r % 2:
-            tv, tp = run(v), run("plain")
+            tv, tp = run(v), run(args.baseline)
         else:
-            tp, tv = run("plain"), run(v)
+            tp, tv = run(args.baseline), run(v)
         out["times"].append(tv)
         out["ratios"].append(tv / tp)
     _free(inp, device)
@@ -235,7 +237,7 @@ def worker(args) -> None:
     device = device_of(args)
     vocab, tokens, dim = (int(s) for s in args.cell.split(","))
     variants = args.variants.split(",")
-    failed = _warm_up(sorted(set(variants) | ({"plain"} if args.pair else set())), device, args.dtype, args.chunk)
+    failed = _warm_up(sorted(set(variants) | ({args.baseline} if args.pair else set())), device, args.dtype, args.chunk)
     if device.type == "cpu":
         limit_memory(args.memory_limit_gib)
     try:
@@ -246,13 +248,13 @@ def worker(args) -> None:
         for v in variants:
             print(json.dumps({"variant": v, "status": "oom", "after_s": 0.0, "note": "inputs: " + str(exc)[:120]}))
         return
-    pair = args.pair and "plain" not in failed
+    pair = args.pair and args.baseline not in failed
     for v in variants:
         if v in failed:
             print(json.dumps({"variant": v, "status": "failed", "note": failed[v]}), flush=True)
             continue
         result = _measure_variant(v, inp, args, device, pair)
-        pair = pair and not (v == "plain" and result["status"] != "ok")
+        pair = pair and not (v == args.baseline and result["status"] != "ok")
         print(json.dumps(result), flush=True)
 
 
@@ -285,7 +287,7 @@ def _worker_cmd(args, cell: Cell, variants: list[str], pair: bool, rounds: int) 
         sys.executable, os.path.abspath(__file__), "--worker", "--cell", f"{cell.vocab},{cell.tokens},{cell.dim}",
         "--variants", ",".join(variants), "--dtype", cell.dtype, "--device", args.device,
         "--threads", str(args.threads), "--chunk", str(args.chunk), "--rounds", str(rounds),
-        "--memory-limit-gib", str(args.memory_limit_gib), *(["--pair"] if pair else []),
+        "--memory-limit-gib", str(args.memory_limit_gib), "--baseline", args.baseline, *(["--pair"] if pair else []),
     ]  # fmt: skip
 
 
@@ -319,7 +321,8 @@ def run_cell(args, cell: Cell, variants: list[str], est_s: float) -> None:
     timeout = args.check_seconds if mode == "check" else None
     groups = [runnable] if args.device == "cuda" else [[v] for v in runnable]
     for group in groups:
-        pair = mode == "time" and "plain" in variants and cell.results.get("plain", {}).get("status", "ok") == "ok"
+        ok = cell.results.get(args.baseline, {}).get("status", "ok") == "ok"
+        pair = mode == "time" and args.baseline in variants and ok
         lines, note = _spawn(_worker_cmd(args, cell, group, pair, rounds), timeout)
         for line in lines:
             cell.results[line["variant"]] = line
@@ -358,13 +361,18 @@ def _seconds(r: dict) -> float:
     return statistics.median(r["times"]) if r["times"] else r["first_s"]
 
 
-def peer_ratios(cell: Cell, fused: str) -> tuple[float, float, bool] | None:
-    """(time fused / CCE, peak fused / CCE, both paired against the same plain) where both ran."""
+def peer_ratios(cell: Cell, fused: str, baseline: str = "plain") -> tuple[float, float, bool] | None:
+    """(time fused / CCE, peak fused / CCE, paired) where both ran: the median paired ratio when
+    CCE was the `baseline`, else the ratio of the median paired ratios to the same plain, else
+    of the single steps."""
     a, b = cell.results.get(fused, {}), cell.results.get(CCE, {})
     if a.get("status") != "ok" or b.get("status") != "ok":
         return None
-    paired = bool(a["ratios"] and b["ratios"])
-    t = statistics.median(a["ratios"]) / statistics.median(b["ratios"]) if paired else _seconds(a) / _seconds(b)
+    if a["ratios"] and baseline == CCE:
+        t, paired = statistics.median(a["ratios"]), True
+    else:
+        paired = bool(a["ratios"] and b["ratios"])
+        t = statistics.median(a["ratios"]) / statistics.median(b["ratios"]) if paired else _seconds(a) / _seconds(b)
     return t, a["peak"] / b["peak"] if b["peak"] else math.nan, paired  # a zero peak: below the RSS resolution
 
 
@@ -387,7 +395,7 @@ def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, 
             ref = c.results.get("plain")
             cols = " | ".join(_mem_cell(c.results[v], ref) for v in variants)
             print(f"| {c.vocab} | {c.tokens} | {c.dim} | {c.flops / 1e12:.2f} | {c.flops / rates[dtype]:.0f} | {cols} |")
-        print("\nTime: median paired ratio to plain (median s) for timed cells; "
+        print(f"\nTime: median paired ratio to {LABELS[args.baseline]} (median s) for timed cells; "
               "otherwise the seconds of the single first step:\n")  # fmt: skip
         print("| V | N | d | " + " | ".join(LABELS[v] for v in variants) + " |")
         print("|---" * (3 + len(variants)) + "|")
@@ -398,7 +406,7 @@ def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, 
             print("| V | N | d | fused | time / CCE | peak / CCE | met |\n|---|---|---|---|---|---|---|")
             for c in rows:
                 for f in FUSED:
-                    got = peer_ratios(c, f) if f in variants else None
+                    got = peer_ratios(c, f, args.baseline) if f in variants else None
                     if got:
                         t, m, paired = got
                         ok = "yes" if t <= 1.0 and m <= 0.5 else "no"
@@ -447,8 +455,8 @@ def heads(args) -> None:
     device = device_of(args)
     torch.set_num_threads(args.threads)
     variants = args.variants.split(",")
-    if "plain" not in variants:
-        variants.insert(0, "plain")
+    if args.baseline not in variants:  # plain by default: the memory table's reference too
+        variants.insert(0, args.baseline)
     tokens = [int(t) for t in args.tokens.split(",")]
     vocabs = [int(v) for v in args.vocab.split(",")]
     shapes = [(v, n, args.dim) for v in vocabs for n in tokens]
@@ -581,7 +589,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, default=0,
                    help="token rows per chunk of the fused op (0: its default, default_chunk_rows(V, N))")
-    p.add_argument("--rounds", type=int, default=2, help="timed rounds per variant (each next to a plain step)")
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per variant (each next to a --baseline step)")
+    p.add_argument("--baseline", default="plain", choices=VARIANTS, help="the variant every timed step is paired with")
     p.add_argument("--time-flops", type=float, default=2.6e12, help="time cells with 6NVd at most this")
     p.add_argument("--run-flops", type=float, default=1.0e13, help="run one step at cells with 6NVd at most this")
     p.add_argument("--check-variants", default="plain,agg_linear,cce_compile",

@@ -20,15 +20,30 @@ from measure import PeakMemory, is_oom
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, BENCH]), TORCHINDUCTOR_COMPILE_THREADS="1")
 
 
-def _worker(cell: str, variant: str, limit_gib: float) -> dict:
+def _worker(cell: str, variant: str, limit_gib: float, *extra: str) -> dict:
     """One variant's first step in a fresh memory-limited worker of benchmarks/scale.py (256-row chunks)."""
     cmd = [sys.executable, os.path.join(BENCH, "scale.py"), "--worker", "--cell", cell, "--variants", variant,
            "--dtype", "fp32", "--threads", "1", "--rounds", "0", "--chunk", "256",
-           "--memory-limit-gib", str(limit_gib)]  # fmt: skip
+           "--memory-limit-gib", str(limit_gib), *extra]  # fmt: skip
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return line
+
+
+def test_worker_pairs_each_round_with_the_baseline_and_the_peer_ratio_is_the_paired_median():
+    """--baseline: every timed round of the variant runs next to a step of the baseline in the
+    same process; with CCE as the baseline the peer table's time is the median paired ratio."""
+    import scale
+
+    line = _worker("4096,512,32", "fused_typical", 8.0, "--rounds", "3", "--pair", "--baseline", "fused_ones")
+    assert line["status"] == "ok" and len(line["times"]) == 3 and len(line["ratios"]) == 3
+    assert all(r > 0 for r in line["ratios"])
+    cell = scale.Cell(4096, 512, 32, "fp32")
+    cell.results = {"fused_typical": {"status": "ok", "peak": 10, "ratios": [0.9, 1.2, 0.95], "times": [1.0]},
+                    "cce_compile": {"status": "ok", "peak": 40, "ratios": [], "times": [3.0]}}  # fmt: skip
+    assert scale.peer_ratios(cell, "fused_typical", "cce_compile") == (0.95, 0.25, True)
+    assert scale.peer_ratios(cell, "fused_typical", "plain") == (1.0 / 3.0, 0.25, False)  # no CCE ratios: seconds
 
 
 def test_peak_memory_of_a_known_allocation():
