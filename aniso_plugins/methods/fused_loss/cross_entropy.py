@@ -82,7 +82,7 @@ class _Workspace:
         self.logits = torch.empty(rows, v, dtype=compute, device=device)
         # On the CPU, bf16 logits go through the float32 stage in blocks of rows that stay in cache
         self.on_cpu = device.type == "cpu"
-        staged = self.on_cpu and compute != acc
+        staged = _staged(device, compute, acc)
         self.block = max(1, STAGE_BYTES // (4 * v)) if staged else max(rows, 1)
         self.stage = torch.empty(min(self.block, rows), v, dtype=acc, device=device) if staged else None
         self.product = torch.empty(v, d, dtype=compute, device=device) if dw_product and compute != acc else None
@@ -129,9 +129,19 @@ class _Workspace:
         return z
 
 
+def _staged(device: torch.device, compute: torch.dtype, acc: torch.dtype) -> bool:
+    """Whether the logits chunk stays in the narrower GEMM dtype, with a float32 stage of a few
+    rows (`_Workspace`): bf16 logits on the CPU."""
+    return device.type == "cpu" and compute != acc
+
+
+def _is_one(scale: float | torch.Tensor) -> bool:
+    return isinstance(scale, float) and scale == 1.0
+
+
 def _scaled(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """``t · scale``, skipping the multiply when the scale is the number 1."""
-    return t if isinstance(scale, float) and scale == 1.0 else t * scale
+    return t if _is_one(scale) else t * scale
 
 
 def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys: torch.Tensor, w: torch.Tensor,
@@ -204,7 +214,7 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
                 if not base_scaled:
                     dw.mul_(base_gate[:, None])
                 _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, scale), X, rows, ys, chunk_size)
-            elif want_dw and not (isinstance(scale, float) and scale == 1.0):
+            elif want_dw and not _is_one(scale):
                 dw.mul_(scale)
             if want_dx:
                 dx = dx.reshape(hidden.shape)
@@ -275,7 +285,7 @@ def agg_cross_entropy(
     dtypes = compute_dtypes(hidden, weight)
     if chunk_size is None:
         compute, acc, _ = dtypes
-        staged = hidden.device.type == "cpu" and compute != acc  # `_Workspace`: bf16 logits, a float32 stage
+        staged = _staged(hidden.device, compute, acc)
         chunk_size = default_chunk_rows(weight.shape[0], targets.numel(), compute.itemsize if staged else 4)
     elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(
