@@ -69,3 +69,25 @@ def test_large_vocabulary_peak_is_gradients_plus_one_capped_chunk():
         x.grad = w.grad = None
     assert peaks[None] < outputs + 576 * MIB, peaks
     assert peaks[1024] > outputs + 2000 * MIB, peaks
+
+
+def test_bf16_cpu_step_holds_no_vocabulary_sized_product():
+    """Under CPU bf16 autocast the op holds dW (float32), a bf16 copy of W and one chunk; each
+    chunk's dW product used to be a full V × d bf16 buffer (32 MiB here) and is now computed in
+    blocks of 512 rows of dW (docs/performance.md §7.3). V = 65536, d = 256, 64-row chunks
+    (8 MiB of bf16 logits, an 8 MiB float32 stage): 21 MiB beyond those, 54 before."""
+    n, v, d = 512, 65536, 256
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g).requires_grad_(True)
+    w = (0.02 * torch.randn(v, d, generator=g)).requires_grad_(True)
+    y = torch.randint(0, v, (n,), generator=g)
+    gates = agg_gates(torch.linspace(0.0, 1.0, v), 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        agg_cross_entropy(x[:64], w, y[:64], gates, chunk_size=64).backward()  # warm-up
+    x.grad = w.grad = None
+    with PeakMemory(torch.device("cpu")) as peak, torch.autocast("cpu", dtype=torch.bfloat16):
+        agg_cross_entropy(x, w, y, gates, chunk_size=64).backward()
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+    outputs = x.grad.numel() * 4 + w.grad.numel() * 4
+    weight_copy = v * d * 2
+    assert peak.bytes < outputs + weight_copy + 32 * MIB, ((peak.bytes - outputs - weight_copy) / MIB)

@@ -224,6 +224,11 @@ def compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dt
     return weight.dtype, acc, weight.dtype
 
 
+UPCAST_ROWS = 512
+"""Rows of `out` per block of `addmm_in_`'s CPU path (0.75 + 1.5 MiB of buffers at d = 768;
+faster than 2048 rows at d = 768 and 2048; see `addmm_in_`)."""
+
+
 def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype,
               product: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> None:
     """``out += a @ b`` with the GEMM's operands in `compute`, the head's GEMM dtype.
@@ -232,40 +237,40 @@ def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torc
     fused linear cross-entropy accumulates dW: a `compute`-dtype GEMM (float32 accumulation inside
     it), its product rounded to `compute` once and added into the float32 `out`; when `compute` is
     `out`'s dtype, ``out.addmm_(a, b)``. A float32 GEMM in a bf16 step would run at the GPU's
-    float32 rate, many times slower than plain autograd's (docs/performance.md §7.3). `product`:
-    a buffer of out's shape in `compute` for the rounded product (reused across calls), or None.
+    float32 rate, many times slower than plain autograd's (docs/performance.md §7.3).
     `row_scale`: ``out += diag(row_scale) · (a @ b)`` (only where `compute` differs from out's
-    dtype: the scale applies to the float32 product, after its one rounding)."""
+    dtype: the scale applies to the float32 product, after its one rounding).
+
+    Off the CPU the product is one GEMM into `product` (a buffer of out's shape in `compute`,
+    reused across calls, or None) and one mixed-dtype add. On the CPU it is computed in blocks of
+    `UPCAST_ROWS` rows of `out`, each rounded, converted into a small float32 buffer and added:
+    no `out`-sized product (at V = 32768, d = 2048: 128 MiB less), and a mixed-dtype ``add_``
+    converts through a full-size temporary, measured at 35-180 ms for a 32768 × 768 bf16 product
+    against 5 ms for the blocks (docs/performance.md §7.3); the blocked GEMMs and adds take about
+    the time of the one GEMM and its blocked add (a 1024-row chunk at V = 32768, median of 8
+    interleaved runs: 72.5 against 72.2 ms at d = 768, 200 against 186 ms at d = 2048)."""
     if compute == out.dtype:
         if row_scale is not None:
             raise ValueError("addmm_in_: row_scale is for a product in a narrower dtype than out")
         out.addmm_(a.to(compute), b.to(compute))
-    else:
-        add_upcast_(out, torch.mm(a.to(compute), b.to(compute), out=product), row_scale)
-
-
-UPCAST_ROWS = 1024
-"""Rows per block of `add_upcast_`'s staging buffer (3 MiB at d = 768)."""
-
-
-def add_upcast_(out: torch.Tensor, src: torch.Tensor, row_scale: torch.Tensor | None = None) -> None:
-    """``out += src`` (``out += diag(row_scale) · src`` with a `row_scale`) for a 2-D `src` of a
-    narrower dtype (a bf16 product into a float32 accumulator). On the CPU a mixed-dtype
-    ``add_`` converts through a full-size temporary and was measured at 35-180 ms for a
-    32768 × 768 bf16 product, against 5 ms for converting blocks of `UPCAST_ROWS` rows into one
-    small float32 buffer and adding that (docs/performance.md §7.3); elsewhere one kernel."""
+        return
+    a, b = a.to(compute), b.to(compute)
     if out.device.type != "cpu":
+        src = torch.mm(a, b, out=product)
         if row_scale is None:
             out.add_(src)
         else:
             out.addcmul_(src, row_scale[:, None].to(out.dtype))
         return
-    stage = torch.empty(min(UPCAST_ROWS, src.shape[0]), *src.shape[1:], dtype=out.dtype)
-    for i in range(0, src.shape[0], UPCAST_ROWS):
-        block = stage[: src[i : i + UPCAST_ROWS].shape[0]].copy_(src[i : i + UPCAST_ROWS])
+    rows = min(UPCAST_ROWS, out.shape[0])
+    part = torch.empty(rows, out.shape[1], dtype=compute)
+    stage = torch.empty(rows, out.shape[1], dtype=out.dtype)
+    for i in range(0, out.shape[0], UPCAST_ROWS):
+        n = min(UPCAST_ROWS, out.shape[0] - i)
+        block = stage[:n].copy_(torch.mm(a[i : i + n], b, out=part[:n]))
         if row_scale is not None:
-            block.mul_(row_scale[i : i + UPCAST_ROWS, None])
-        out[i : i + UPCAST_ROWS].add_(block)
+            block.mul_(row_scale[i : i + n, None])
+        out[i : i + n].add_(block)
 
 
 class _AGGLinear(torch.autograd.Function):

@@ -85,7 +85,9 @@ class _Workspace:
         staged = _staged(device, compute, acc)
         self.block = max(1, STAGE_BYTES // (4 * v)) if staged else max(rows, 1)
         self.stage = torch.empty(min(self.block, rows), v, dtype=acc, device=device) if staged else None
-        self.product = torch.empty(v, d, dtype=compute, device=device) if dw_product and compute != acc else None
+        # Off the CPU each chunk's dW product is one (V, d) GEMM into this buffer (`addmm_in_`)
+        self.product = (torch.empty(v, d, dtype=compute, device=device)
+                        if dw_product and compute != acc and not self.on_cpu else None)
 
     def logits_of(self, xc: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         out = self.logits[: xc.shape[0]]
@@ -277,8 +279,8 @@ def agg_cross_entropy(
     may run once. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
     as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
     goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
-    chunk's dW product (V × d, autocast dtype) is added into dW
-    (`aniso_plugins.methods.agg.gates.addmm_in_`). `weight` must be the full (V, d) tensor (under FSDP2 call
+    chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
+    rows, elsewhere through one V × d buffer: `aniso_plugins.methods.agg.gates.addmm_in_`). `weight` must be the full (V, d) tensor (under FSDP2 call
     it where the head parameter is unsharded).
     """
     check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
