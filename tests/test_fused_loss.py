@@ -217,3 +217,67 @@ def test_lightning_agg_without_loss_fn_is_gated_and_says_why(tmp_path, caplog):
         _, fused, _ = _fit(tmp_path, LitLM(), AnisoConfig(method="agg", window=4, **QUICK))
     assert not fused
     assert any("declare aniso_loss_fn = None" in r.getMessage() for r in caplog.records)
+
+
+class LitHF(pl.LightningModule):
+    """An HF causal LM inside a LightningModule, trained on its own ``outputs.loss``; records the
+    shape of the training forwards' logits (0-dim: the loss was fused in the head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_llama(tied=False)
+        self.logit_dims: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        self.logit_dims.append(out.logits.dim())
+        return out.loss
+
+    def validation_step(self, batch, batch_idx):
+        out = self.model(input_ids=batch["input_ids"], labels=batch["labels"])
+        assert out.logits.dim() == 3  # evaluation: the model's logits and its own loss
+        self.log("val_loss", out.loss, batch_size=len(batch["input_ids"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_hf_model_inside_with_fused_loss_trains_as_its_own_loss(tmp_path, accumulate):
+    """The second Lightning route: an HF model inside the module, `fused_loss=True`. Reference:
+    the same module fitted by a plain lightning.Trainer without the callback (the model's own
+    loss from its logits)."""
+    def fit(callbacks):
+        cap = GradCapture()
+        module = LitHF()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                             num_sanity_val_steps=0, limit_val_batches=1, val_check_interval=2,
+                             accumulate_grad_batches=accumulate, callbacks=[*callbacks, cap])
+        trainer.fit(module, loader(), loader(n=4))
+        return cap.grads, module
+
+    ref, plain = fit([])
+    cb = LightningCallback(AnisoConfig(fused_loss=True, **QUICK))
+    fused = Fused(cb)
+    got, module = fit([cb, fused])
+    assert fused.seen == [True] * (2 * accumulate) and module.logit_dims == [0] * (2 * accumulate)
+    assert plain.logit_dims == [3] * (2 * accumulate)
+    assert len(got) == len(ref) == 2
+    for step_ref, step_got in zip(ref, got):
+        assert step_ref.keys() == step_got.keys()
+        for name, r in step_ref.items():
+            assert float((step_got[name] - r).abs().max()) <= 1e-5 * float(r.abs().max()), name
+
+
+def test_lightning_hf_model_inside_is_not_fused_by_default_and_says_why(tmp_path, caplog):
+    cb = LightningCallback(AnisoConfig(method="agg", window=4, **QUICK))
+    fused = Fused(cb)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[cb, fused])
+    module = LitHF()
+    with caplog.at_level(logging.INFO, logger="aniso_plugins"):
+        trainer.fit(module, loader())
+    assert fused.seen == [False] and module.logit_dims == [3]
+    assert any("set fused_loss=True if it uses only outputs.loss" in r.getMessage() for r in caplog.records)
