@@ -280,8 +280,9 @@ def agg_cross_entropy(
     as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
     goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
-    rows, elsewhere through one V × d buffer: `aniso_plugins.methods.agg.gates.addmm_in_`). `weight` must be the full (V, d) tensor (under FSDP2 call
-    it where the head parameter is unsharded).
+    rows, elsewhere through one V × d buffer: `aniso_plugins.methods.agg.gates.addmm_in_`).
+    `weight` must be the full (V, d) tensor (under FSDP2 call it where the head parameter is
+    unsharded).
     """
     check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
     dtypes = compute_dtypes(hidden, weight)
