@@ -28,6 +28,7 @@ from aniso_plugins import (
     agg_gates,
     agg_linear,
 )
+from aniso_plugins.methods.agg import gates as gate_ops
 from test_counter import DenseRing
 
 IGN = -100
@@ -518,6 +519,32 @@ def test_bf16_staged_fused_loss_and_input_gradient_match_float64(smoothing):
     assert abs(float(loss) - float(ref)) < 1e-5 * float(ref)
     assert rel_err(dh.double(), ref_dh) < 1e-2
 
+
+
+@pytest.mark.parametrize("path", ["one_gemm", "blocked"])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(path, scaled):
+    """`addmm_in_`'s two bf16 paths (one GEMM into a V × d buffer off the CPU; blocks of
+    `UPCAST_ROWS` rows on the CPU), both run here: out += diag(s) · round_bf16(A B), against
+    float64 of the bf16 operands, rounded once. 1100 rows: two full blocks and a partial one."""
+    g = torch.Generator().manual_seed(0)
+    v, n, d = 1100, 96, 48
+    a, b = torch.randn(v, n, generator=g).bfloat16(), torch.randn(n, d, generator=g).bfloat16()
+    out0 = torch.randn(v, d, generator=g)
+    scale = torch.rand(v, generator=g) + 0.5 if scaled else None
+    product = (a.double() @ b.double()).bfloat16().double()  # the GEMM's one rounding
+    ref = out0.double() + (product if scale is None else scale.double()[:, None] * product)
+    out = out0.clone()
+    if path == "one_gemm":
+        gate_ops._add_rounded_product_(out, a, b, torch.empty(v, d, dtype=torch.bfloat16), scale)
+    else:
+        assert v > 2 * gate_ops.UPCAST_ROWS
+        gate_ops._add_rounded_product_blocked_(out, a, b, scale)
+    # float32 accumulation inside the GEMM may round a product to the neighbouring bf16 value
+    ulp = 2.0 ** -7 * product.abs() * (1.0 if scale is None else scale.double()[:, None])
+    err = (out.double() - ref).abs()
+    assert bool((err <= ulp + 1e-6 * ref.abs() + 1e-6).all()), float((err - ulp).max())
+    assert float(err.mean()) < 1e-3 * float(product.abs().mean())  # almost all entries exact
 
 # --- TrainingHead --------------------------------------------------------------------------------------------
 

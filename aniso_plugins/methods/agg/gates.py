@@ -253,17 +253,28 @@ def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torc
         if row_scale is not None:
             raise ValueError("addmm_in_: row_scale is for a product in a narrower dtype than out")
         out.addmm_(a.to(compute), b.to(compute))
-        return
-    a, b = a.to(compute), b.to(compute)
-    if out.device.type != "cpu":
-        src = torch.mm(a, b, out=product)
-        if row_scale is None:
-            out.add_(src)
-        else:
-            out.addcmul_(src, row_scale[:, None].to(out.dtype))
-        return
+    elif out.device.type == "cpu":
+        _add_rounded_product_blocked_(out, a.to(compute), b.to(compute), row_scale)
+    else:
+        _add_rounded_product_(out, a.to(compute), b.to(compute), product, row_scale)
+
+
+def _add_rounded_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, product: torch.Tensor | None,
+                          row_scale: torch.Tensor | None) -> None:
+    """`addmm_in_` off the CPU: one GEMM into `product` (or a new tensor) and one mixed-dtype add."""
+    src = torch.mm(a, b, out=product)
+    if row_scale is None:
+        out.add_(src)
+    else:
+        out.addcmul_(src, row_scale[:, None].to(out.dtype))
+
+
+def _add_rounded_product_blocked_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                                  row_scale: torch.Tensor | None) -> None:
+    """`addmm_in_` on the CPU: blocks of `UPCAST_ROWS` rows of `out`, each a GEMM into a small
+    buffer of `a`'s dtype, converted into a small float32 one, scaled and added."""
     rows = min(UPCAST_ROWS, out.shape[0])
-    part = torch.empty(rows, out.shape[1], dtype=compute)
+    part = torch.empty(rows, out.shape[1], dtype=a.dtype)
     stage = torch.empty(rows, out.shape[1], dtype=out.dtype)
     for i in range(0, out.shape[0], UPCAST_ROWS):
         n = min(UPCAST_ROWS, out.shape[0] - i)
