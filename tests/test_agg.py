@@ -520,7 +520,6 @@ def test_bf16_staged_fused_loss_and_input_gradient_match_float64(smoothing):
     assert rel_err(dh.double(), ref_dh) < 1e-2
 
 
-
 @pytest.mark.parametrize("path", ["one_gemm", "blocked"])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(path, scaled):
@@ -545,6 +544,7 @@ def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(
     err = (out.double() - ref).abs()
     assert bool((err <= ulp + 1e-6 * ref.abs() + 1e-6).all()), float((err - ulp).max())
     assert float(err.mean()) < 1e-3 * float(product.abs().mean())  # almost all entries exact
+
 
 # --- TrainingHead --------------------------------------------------------------------------------------------
 

@@ -187,13 +187,19 @@ class Fused(pl.Callback):
         self.seen.append(self.cb.session.head_computes_loss)
 
 
+def _lightning_trainer(tmp_path, callbacks, max_steps=2, **kw) -> pl.Trainer:
+    """A quiet CPU lightning.Trainer validating one batch at step 2 (``kw`` overrides)."""
+    kw = {"limit_val_batches": 1, "val_check_interval": 2, **kw}
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                      num_sanity_val_steps=0, callbacks=callbacks, **kw)
+
+
 def _fit(tmp_path, module, config):
     cap = GradCapture()
     cb = LightningCallback(config, head="model.lm_head", input_embedding="model.embed", blocks="model.blocks", targets="causal")
     fused = Fused(cb)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         num_sanity_val_steps=0, callbacks=[cb, cap, fused], limit_val_batches=1, val_check_interval=2)
+    trainer = _lightning_trainer(tmp_path, [cb, cap, fused])
     trainer.fit(module, loader(), loader(n=4))
     assert len(set(fused.seen)) == 1
     return cap.grads, fused.seen[0], trainer
@@ -250,10 +256,7 @@ def test_lightning_hf_model_inside_with_fused_loss_trains_as_its_own_loss(tmp_pa
     def fit(callbacks):
         cap = GradCapture()
         module = LitHF()
-        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                             num_sanity_val_steps=0, limit_val_batches=1, val_check_interval=2,
-                             accumulate_grad_batches=accumulate, callbacks=[*callbacks, cap])
+        trainer = _lightning_trainer(tmp_path, [*callbacks, cap], accumulate_grad_batches=accumulate)
         trainer.fit(module, loader(), loader(n=4))
         return cap.grads, module
 
@@ -273,9 +276,7 @@ def test_lightning_hf_model_inside_with_fused_loss_trains_as_its_own_loss(tmp_pa
 def test_lightning_hf_model_inside_is_not_fused_by_default_and_says_why(tmp_path, caplog):
     cb = LightningCallback(AnisoConfig(method="agg", window=4, **QUICK))
     fused = Fused(cb)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[cb, fused])
+    trainer = _lightning_trainer(tmp_path, [cb, fused], max_steps=1, limit_val_batches=0)
     module = LitHF()
     with caplog.at_level(logging.INFO, logger="aniso_plugins"):
         trainer.fit(module, loader())
