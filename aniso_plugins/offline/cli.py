@@ -1,5 +1,6 @@
 """The ``aniso`` command (docs/report.md).
 
+    aniso --version
     aniso report MODEL [MODEL ...] [--text-file FILE] [--out DIR] [--max-tokens N]
                  [--postprocess centering,whitening] [--tensor NAME] [--quiet] [--json]
     aniso postprocess MODEL --text-file FILE --transform whitening [--k K] --out DIR
@@ -14,6 +15,7 @@ import argparse
 import os
 import sys
 
+from aniso_plugins.core.version import __version__
 from aniso_plugins.offline.errors import ReportError
 
 EXIT_USAGE = 2
@@ -22,6 +24,7 @@ EXIT_ERROR = 1
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="aniso", description="Measure the embedding anisotropy of language models.")
+    p.add_argument("--version", action="version", version=f"aniso {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser(
         "report",
