@@ -14,7 +14,6 @@ from aniso_plugins.core.version import __version__
 
 _EXPORTS: dict[str, str] = {
     "TrainingHead": "aniso_plugins.methods.fused_loss.head",
-    "AGGGates": "aniso_plugins.methods.agg.gates",
     "AllButTheTop": "aniso_plugins.offline.postprocess",
     "AnisoConfig": "aniso_plugins.core.config",
     "AnisoError": "aniso_plugins.core.errors",
@@ -28,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "ModelHandle": "aniso_plugins.core.model",
     "OutputEmbeddingsHandle": "aniso_plugins.core.model",
     "Rotation": "aniso_plugins.offline.postprocess",
+    "RowGates": "aniso_plugins.methods.fused_loss.row_gates",
     "RunInfo": "aniso_plugins.core.steps",
     "SetupError": "aniso_plugins.core.model",
     "SimCSECollator": "aniso_plugins.methods.simcse.contrastive",
@@ -40,9 +40,7 @@ _EXPORTS: dict[str, str] = {
     "Transform": "aniso_plugins.offline.postprocess",
     "TransformModule": "aniso_plugins.offline.postprocess",
     "Whitening": "aniso_plugins.offline.postprocess",
-    "agg_cross_entropy": "aniso_plugins.methods.fused_loss.cross_entropy",
     "agg_gates": "aniso_plugins.methods.agg.gates",
-    "agg_linear": "aniso_plugins.methods.agg.gates",
     "alignment_of": "aniso_plugins.core.targets",
     "attach_loss": "aniso_plugins.core.loss",
     "bottleneck_finish": "aniso_plugins.metrics.bottleneck.probe",
@@ -54,7 +52,9 @@ _EXPORTS: dict[str, str] = {
     "effective_rank": "aniso_plugins.metrics.geometry.stats",
     "find_handle": "aniso_plugins.core.model",
     "frequency_groups": "aniso_plugins.metrics.frequency.groups",
+    "fused_linear_cross_entropy": "aniso_plugins.methods.fused_loss.cross_entropy",
     "full_rows": "aniso_plugins.numerics.distributed",
+    "gated_linear": "aniso_plugins.methods.fused_loss.linear",
     "gradient_bottleneck": "aniso_plugins.metrics.bottleneck.probe",
     "hookimpl": "aniso_plugins.core.hookspecs",
     "isoscore": "aniso_plugins.metrics.geometry.isoscore",
@@ -107,9 +107,11 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.steps import RunInfo, StepInfo
     from aniso_plugins.core.targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
     from aniso_plugins.methods.agg.counter import SlidingTokenCounter
-    from aniso_plugins.methods.fused_loss.cross_entropy import agg_cross_entropy
-    from aniso_plugins.methods.agg.gates import AGGGates, agg_gates, agg_linear
+    from aniso_plugins.methods.agg.gates import agg_gates
+    from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
     from aniso_plugins.methods.fused_loss.head import TrainingHead
+    from aniso_plugins.methods.fused_loss.linear import gated_linear
+    from aniso_plugins.methods.fused_loss.row_gates import RowGates
     from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
     from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
     from aniso_plugins.methods.simcse.contrastive import SimCSECollator
@@ -148,7 +150,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
 __all__ = [
     "__version__",
     "TrainingHead",
-    "AGGGates",
     "AllButTheTop",
     "AnisoConfig",
     "AnisoError",
@@ -162,6 +163,7 @@ __all__ = [
     "ModelHandle",
     "OutputEmbeddingsHandle",
     "Rotation",
+    "RowGates",
     "RunInfo",
     "SetupError",
     "SimCSECollator",
@@ -174,9 +176,7 @@ __all__ = [
     "Transform",
     "TransformModule",
     "Whitening",
-    "agg_cross_entropy",
     "agg_gates",
-    "agg_linear",
     "alignment_of",
     "attach_loss",
     "bottleneck_finish",
@@ -188,7 +188,9 @@ __all__ = [
     "effective_rank",
     "find_handle",
     "frequency_groups",
+    "fused_linear_cross_entropy",
     "full_rows",
+    "gated_linear",
     "gradient_bottleneck",
     "hookimpl",
     "isoscore",

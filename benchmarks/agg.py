@@ -1,5 +1,5 @@
 """AGG head cost on CPU: plain F.linear + CE vs the official three-logit construction vs
-`agg_linear` + CE vs the fused chunked `agg_cross_entropy`; and the token counter.
+`gated_linear` + CE vs the fused chunked `fused_linear_cross_entropy`; and the token counter.
 
     python benchmarks/agg.py                       # N=4096, d=768, V=50304, fp32, 2 threads
     python benchmarks/agg.py --tokens 512 --dim 64 --vocab 4096 --rounds 1 --counter-steps 30 \
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from measure import PeakMemory, add_device_args, device_of, elapsed, precision
 
-VARIANTS = ("plain", "three_logit", "agg_linear", "fused", "fused_plain", "agg_linear_worst", "fused_worst")
+VARIANTS = ("plain", "three_logit", "gated_linear", "fused", "fused_plain", "gated_linear_worst", "fused_worst")
 
 
 def _zipf(vocab: int, s: float = 1.2) -> torch.Tensor:
@@ -76,18 +76,18 @@ def _three_logit(x, w, y, gates):
 
 
 def _loss(variant, x, w, y, gates, chunk):
-    from aniso_plugins import agg_cross_entropy, agg_linear
+    from aniso_plugins import fused_linear_cross_entropy, gated_linear
 
     if variant == "plain":
         loss = F.cross_entropy(F.linear(x, w).float(), y)
     elif variant == "three_logit":
         loss = _three_logit(x, w, y, gates)
-    elif variant.startswith("agg_linear"):
-        loss = F.cross_entropy(agg_linear(x, w, y, gates), y)
+    elif variant.startswith("gated_linear"):
+        loss = F.cross_entropy(gated_linear(x, w, y, gates), y)
     elif variant == "fused_plain":
-        loss = agg_cross_entropy(x, w, y, None, chunk_size=chunk)
+        loss = fused_linear_cross_entropy(x, w, y, None, chunk_size=chunk)
     else:
-        loss = agg_cross_entropy(x, w, y, gates, chunk_size=chunk)
+        loss = fused_linear_cross_entropy(x, w, y, gates, chunk_size=chunk)
     return loss
 
 

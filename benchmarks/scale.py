@@ -11,8 +11,8 @@ Sections (``--section``, comma-separated):
 
 heads: forward + backward of the head and its loss for every (V, N) of ``--vocab`` × ``--tokens``
 at d = ``--dim``, plus d = ``--extra-dim`` at the smallest N. Variants: ``plain``
-(``F.cross_entropy(F.linear(x, W).float(), y)``), ``agg_linear`` (+ CE, typical gates),
-``fused_ones`` / ``fused_typical`` (`agg_cross_entropy` with gates all ones / typical gates),
+(``F.cross_entropy(F.linear(x, W).float(), y)``), ``gated_linear`` (+ CE, typical gates),
+``fused_ones`` / ``fused_typical`` (`fused_linear_cross_entropy` with gates all ones / typical gates),
 ``cce_compile`` (Apple Cut Cross-Entropy, ``linear_cross_entropy(..., impl="torch_compile")``,
 plain CE), and on CUDA only ``cce_triton`` (CCE's Triton kernel, ``impl="cce"``) and
 ``liger_flce`` (Liger-Kernel's fused linear cross-entropy); a peer that is not installed or
@@ -80,10 +80,10 @@ from measure import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "agg_linear", "fused_ones", "fused_typical", "cce_compile", "cce_triton", "liger_flce")
+VARIANTS = ("plain", "gated_linear", "fused_ones", "fused_typical", "cce_compile", "cce_triton", "liger_flce")
 LABELS = {
     "plain": "plain F.linear + CE",
-    "agg_linear": "agg_linear + CE",
+    "gated_linear": "gated_linear + CE",
     "fused_ones": "fused, gates 1",
     "fused_typical": "fused, typical gates",
     "cce_compile": "CCE torch_compile",
@@ -132,16 +132,16 @@ def make_inputs(vocab: int, tokens: int, dim: int, device: torch.device) -> Inpu
 
 def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
     """The scalar loss of `variant` (run inside `measure.precision`)."""
-    from aniso_plugins import agg_cross_entropy, agg_linear
+    from aniso_plugins import fused_linear_cross_entropy, gated_linear
 
     x, w, y = inp.x, inp.w, inp.y
     if variant == "plain":
         return F.cross_entropy(F.linear(x, w).float(), y)
-    if variant == "agg_linear":
-        return F.cross_entropy(agg_linear(x, w, y, inp.gates).float(), y)
+    if variant == "gated_linear":
+        return F.cross_entropy(gated_linear(x, w, y, inp.gates).float(), y)
     if variant in FUSED:
         gates = inp.ones if variant == "fused_ones" else inp.gates
-        return agg_cross_entropy(x, w, y, gates, chunk_size=chunk or None)
+        return fused_linear_cross_entropy(x, w, y, gates, chunk_size=chunk or None)
     peer = DTYPES[dtype]
     if variant in ("cce_compile", "cce_triton"):
         from cut_cross_entropy import linear_cross_entropy
@@ -585,7 +585,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", default="4096,16384,65536")
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--extra-dim", type=int, default=2048, help="second d, at the smallest N (0: none)")
-    p.add_argument("--variants", default="plain,agg_linear,fused_ones,fused_typical,cce_compile")
+    p.add_argument("--variants", default="plain,gated_linear,fused_ones,fused_typical,cce_compile")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, default=0,
                    help="token rows per chunk of the fused op (0: its default, default_chunk_rows(V, N))")
@@ -593,7 +593,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline", default="plain", choices=VARIANTS, help="the variant every timed step is paired with")
     p.add_argument("--time-flops", type=float, default=2.6e12, help="time cells with 6NVd at most this")
     p.add_argument("--run-flops", type=float, default=1.0e13, help="run one step at cells with 6NVd at most this")
-    p.add_argument("--check-variants", default="plain,agg_linear,cce_compile",
+    p.add_argument("--check-variants", default="plain,gated_linear,cce_compile",
                    help="variants run as an out-of-memory check above --run-flops")  # fmt: skip
     p.add_argument("--check-seconds", type=float, default=120.0)
     p.add_argument("--memory-limit-gib", type=float, default=20.0)

@@ -321,13 +321,10 @@ class AnisoCallback(TrainerCallback):
             )
         trainer = self.trainer
         self.session.begin_micro_batch(
-            read.targets,
+            read,
             step=trainer.state.global_step + 1,
             accumulation_steps=getattr(trainer, "current_gradient_accumulation_steps", trainer.args.gradient_accumulation_steps),
             measure=self._measure_next,
-            input_ids=read.input_ids,
-            attention_mask=read.attention_mask,
-            sequence_ids=read.sequence_ids,
             supplies_loss=self._supplying,
         )
 

@@ -194,14 +194,11 @@ class AnisoCallback(pl.Callback):
         read = self._read(batch)
         self._batch_targets = read.targets if self._module_loss else None
         self.session.begin_micro_batch(
-            read.targets,
+            read,
             step=step,
             accumulation_steps=window,
             measure=self._due(trainer, step),
             loss_normalizer=(read.targets != self.config.ignore_index).sum() if self._module_loss else None,
-            input_ids=read.input_ids,
-            attention_mask=read.attention_mask,
-            sequence_ids=read.sequence_ids,
         )
         self._stepped_at = step if last else None
 

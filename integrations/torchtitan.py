@@ -78,6 +78,7 @@ import torch
 from torch import nn
 
 from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession, sequence_ids
+from aniso_plugins.core.targets import MicroBatchTargets
 
 try:
     import tyro
@@ -348,13 +349,12 @@ class AnisoRuntime:
         masking, restart at each document of a packed row (`aniso_plugins.sequence_ids`)."""
         step = self.trainer.step
         self.session.begin_micro_batch(
-            labels,
+            MicroBatchTargets(labels, sequence_ids=sequence_ids(labels.shape, position_ids=positions)),
             step=step,
             accumulation_steps=self.trainer.gradient_accumulation_steps,
             measure=self.session.measures_at(step, self.metrics.should_log(step)),
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,
-            sequence_ids=sequence_ids(labels.shape, position_ids=positions),
         )
 
     def _after_optimizer_step(self, optimizer, args, kwargs) -> None:

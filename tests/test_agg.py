@@ -1,4 +1,4 @@
-"""AGG gates, agg_linear, the fused AGG cross-entropy and the AGG plugin, against references
+"""AGG gates, gated_linear, the fused AGG cross-entropy and the AGG plugin, against references
 written out here: the official three-logit construction (``cross_entropy_agg.py``,
 docs/methods.md §1.4), the gate formulas in float64, the per-part gradient decomposition of
 docs/methods.md §0, plain cross-entropy, and an explicit dense counter."""
@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from aniso_plugins import (
-    AGGGates,
+    RowGates,
     TrainingHead,
     AnisoConfig,
     AnisoPlugins,
@@ -24,11 +24,11 @@ from aniso_plugins import (
     RunInfo,
     SetupError,
     StepInfo,
-    agg_cross_entropy,
+    fused_linear_cross_entropy,
     agg_gates,
-    agg_linear,
+    gated_linear,
 )
-from aniso_plugins.methods.agg import gates as gate_ops
+from aniso_plugins.methods.fused_loss import gemm as gemm_ops
 from test_counter import DenseRing
 
 IGN = -100
@@ -49,7 +49,7 @@ def ref_gates(a: torch.Tensor, alpha: float, steps: int = 1):
     return torch.tensor(g1, dtype=torch.float64), torch.tensor(g2, dtype=torch.float64), torch.tensor(rare)
 
 
-def three_logit_loss(h, W, y, gates: AGGGates, bias=None, smoothing=0.0):
+def three_logit_loss(h, W, y, gates: RowGates, bias=None, smoothing=0.0):
     """The official AGG loss: z0 = sg(W)h (to h only), z1/z2 = gated stop-gradient logits to W
     only, for non-rare / rare target rows; NLLs summed over the non-ignored rows / ntokens.
     Target entries get gate 1 (or g_target when given). Rows with ignore_index are dropped."""
@@ -150,7 +150,7 @@ def test_gate_errors(kwargs, error, words):
         assert w in str(e.value)
 
 
-# --- agg_linear against the three-logit construction ---------------------------------------------
+# --- gated_linear against the three-logit construction ---------------------------------------------
 
 
 CASES = {
@@ -169,8 +169,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_agg_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
-    from aniso_plugins.methods.agg.gates import SPLIT_FRACTION
+def test_gated_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
+    from aniso_plugins.methods.fused_loss.linear import SPLIT_FRACTION
 
     h, W, b, y, a = make_case(dtype=dtype, **CASES[case])
     gates = agg_gates(a, 0.3)
@@ -185,7 +185,7 @@ def test_agg_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
     params = (h, W) + ((b,) if with_bias else ())
 
     ref = grads(three_logit_loss(h, W, y, gates, b), *params)
-    logits = agg_linear(h, W, y, gates, bias=b, ignore_index=IGN)
+    logits = gated_linear(h, W, y, gates, bias=b, ignore_index=IGN)
     loss = F.cross_entropy(logits.reshape(-1, W.shape[0]), y.reshape(-1), ignore_index=IGN)
     got = grads(loss, *params)
     for r, g in zip(ref, got):
@@ -198,13 +198,13 @@ def test_agg_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
 
 def test_label_smoothing_matches_the_official_mt_loss():
     """MT (docs/methods.md §1.4): each of the three terms is (1-ε)·NLL + ε/V·Σ_k(-log p_k) on its own
-    logits; agg_linear + smoothed CE has the same gradients."""
+    logits; gated_linear + smoothed CE has the same gradients."""
     h, W, _, y, a = make_case(dtype=torch.float64)
     gates = agg_gates(a, 0.3)
     h.requires_grad_(True)
     W.requires_grad_(True)
     ref = grads(three_logit_loss(h, W, y, gates, smoothing=0.1), h, W)
-    got = grads(F.cross_entropy(agg_linear(h, W, y, gates), y, ignore_index=IGN, label_smoothing=0.1), h, W)
+    got = grads(F.cross_entropy(gated_linear(h, W, y, gates), y, ignore_index=IGN, label_smoothing=0.1), h, W)
     for g, r in zip(got, ref):
         assert rel_err(g, r) < 1e-12
 
@@ -214,11 +214,11 @@ def test_all_gates_one_is_plain_cross_entropy():
     v = W.shape[0]
     rare = torch.zeros(v, dtype=torch.bool)
     rare[[2, 5, 7]] = True  # rare rows exist, but every gate is 1
-    gates = AGGGates(torch.ones(v), torch.ones(v), rare)
+    gates = RowGates(torch.ones(v), torch.ones(v), rare)
     h.requires_grad_(True)
     W.requires_grad_(True)
     b.requires_grad_(True)
-    got = grads(F.cross_entropy(agg_linear(h, W, y, gates, bias=b), y), h, W, b)
+    got = grads(F.cross_entropy(gated_linear(h, W, y, gates, bias=b), y), h, W, b)
     ref = grads(F.cross_entropy(F.linear(h, W, b), y), h, W, b)
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-7)
@@ -251,7 +251,7 @@ def test_ablations_gate_exactly_their_parts(ablation):
     gates = agg_gates(a, alpha, **ablation)
     Wp = W.clone().requires_grad_(True)
     hp = h.clone().requires_grad_(True)
-    dh, dW = grads(F.cross_entropy(agg_linear(hp, Wp, y, gates), y, ignore_index=IGN), hp, Wp)
+    dh, dW = grads(F.cross_entropy(gated_linear(hp, Wp, y, gates), y, ignore_index=IGN), hp, Wp)
 
     p, x, t, n = softmax_rows(h, W, y)
     a64 = a.double()
@@ -291,7 +291,7 @@ def test_gate_zero_on_a_rare_row_with_non_rare_targets():
     gates = agg_gates(a, 0.3)
     assert gates.g1[2] == 0
     Wp = W.clone().requires_grad_(True)
-    (dW,) = grads(F.cross_entropy(agg_linear(h, Wp, y, gates), y, ignore_index=IGN), Wp)
+    (dW,) = grads(F.cross_entropy(gated_linear(h, Wp, y, gates), y, ignore_index=IGN), Wp)
     assert torch.count_nonzero(dW[2]) == 0
     Wq = W.clone().requires_grad_(True)
     (dW_plain,) = grads(F.cross_entropy(F.linear(h, Wq), y, ignore_index=IGN), Wq)
@@ -321,31 +321,31 @@ def test_tied_embedding_gates_only_the_output_side():
     ids = torch.randint(0, 19, (40,))
     gates = agg_gates(a, 0.3)
     params = list(model.parameters())  # embed/head weight once, block weight, block bias
-    logits = agg_linear(model.body(ids), model.lm_head.weight, y, gates)
+    logits = gated_linear(model.body(ids), model.lm_head.weight, y, gates)
     got = grads(F.cross_entropy(logits, y, ignore_index=IGN), *params)
     ref = grads(three_logit_loss(model.body(ids), model.lm_head.weight, y, gates), *params)
     for g, r in zip(got, ref):
         assert rel_err(g, r) < 1e-12
     # the input-lookup part of the tied gradient is ungated: removing it leaves the gated head part
     h, w = model.body(ids), model.lm_head.weight
-    (head_only,) = grads(F.cross_entropy(agg_linear(h.detach(), w, y, gates), y, ignore_index=IGN), w)
+    (head_only,) = grads(F.cross_entropy(gated_linear(h.detach(), w, y, gates), y, ignore_index=IGN), w)
     (lookup_only,) = grads(F.cross_entropy(F.linear(h, w.detach()), y, ignore_index=IGN), w)
     assert rel_err(got[0], head_only + lookup_only) < 1e-12
 
 
-def test_agg_linear_input_errors():
+def test_gated_linear_input_errors():
     h, W, _, y, a = make_case(dtype=torch.float32)
     gates = agg_gates(a, 0.3)
     with pytest.raises(ValueError, match="targets of shape"):
-        agg_linear(h, W, y[:-1], gates)
+        gated_linear(h, W, y[:-1], gates)
     with pytest.raises(ValueError, match=r"\[0, 19\)"):
-        agg_linear(h, W, torch.full_like(y, 19), gates)
+        gated_linear(h, W, torch.full_like(y, 19), gates)
     with pytest.raises(ValueError, match="gates are for 3 ids"):
-        agg_linear(h, W, y, agg_gates(torch.ones(3), 0.1))
+        gated_linear(h, W, y, agg_gates(torch.ones(3), 0.1))
     with pytest.raises(ValueError, match="features"):
-        agg_linear(h[:, :-1], W, y, gates)
+        gated_linear(h[:, :-1], W, y, gates)
     with pytest.raises(TypeError, match="integer"):
-        agg_linear(h, W, y.float(), gates)
+        gated_linear(h, W, y.float(), gates)
 
 
 # --- fused AGG cross-entropy -----------------------------------------------------------------------
@@ -354,15 +354,15 @@ def test_agg_linear_input_errors():
 @pytest.mark.parametrize("case", ["mixed", "rare_majority", "all_rare", "3d", "many_rows"])
 @pytest.mark.parametrize("chunk", [1, 5, 1000])
 @pytest.mark.parametrize("ablation", [{}, {"parts": ("a", "b", "c")}, {"freeze_rare": True}])
-def test_fused_equals_agg_linear_plus_ce(case, chunk, ablation):
+def test_fused_equals_gated_linear_plus_ce(case, chunk, ablation):
     h, W, b, y, a = make_case(dtype=torch.float64, **CASES[case])
     gates = agg_gates(a, 0.3, **ablation)
     for t in (h, W, b):
         t.requires_grad_(True)
-    logits = agg_linear(h, W, y, gates, bias=b)
+    logits = gated_linear(h, W, y, gates, bias=b)
     ref_loss = F.cross_entropy(logits.reshape(-1, W.shape[0]), y.reshape(-1), ignore_index=IGN)
     ref = grads(ref_loss, h, W, b)
-    loss = agg_cross_entropy(h, W, y, gates, bias=b, chunk_size=chunk)
+    loss = fused_linear_cross_entropy(h, W, y, gates, bias=b, chunk_size=chunk)
     got = grads(loss, h, W, b)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for g, r in zip(got, ref):
@@ -375,10 +375,10 @@ def test_fused_sum_with_normalizer_and_upstream_scale():
     h.requires_grad_(True)
     W.requires_grad_(True)
     gvt = torch.tensor(1000.0, dtype=torch.float64)  # e.g. torchtitan's global_valid_tokens
-    logits = agg_linear(h, W, y, gates)
+    logits = gated_linear(h, W, y, gates)
     ref_loss = 3.0 * F.cross_entropy(logits, y, ignore_index=IGN, reduction="sum") / gvt
     ref = grads(ref_loss, h, W)
-    loss = 3.0 * agg_cross_entropy(h, W, y, gates, reduction="sum", normalizer=gvt, chunk_size=7)
+    loss = 3.0 * fused_linear_cross_entropy(h, W, y, gates, reduction="sum", normalizer=gvt, chunk_size=7)
     got = grads(loss, h, W)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
     for g, r in zip(got, ref):
@@ -391,7 +391,7 @@ def test_fused_without_gates_is_plain_fused_cross_entropy():
         t.requires_grad_(True)
     ref_loss = F.cross_entropy(F.linear(h, W, b), y, ignore_index=IGN)
     ref = grads(ref_loss, h, W, b)
-    loss = agg_cross_entropy(h, W, y, bias=b, chunk_size=16)
+    loss = fused_linear_cross_entropy(h, W, y, bias=b, chunk_size=16)
     got = grads(loss, h, W, b)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     for g, r in zip(got, ref):
@@ -402,18 +402,18 @@ def test_fused_all_ignored_gives_zero_and_errors():
     h, W, _, y, a = make_case(dtype=torch.float32)
     h.requires_grad_(True)
     W.requires_grad_(True)
-    loss = agg_cross_entropy(h, W, torch.full_like(y, IGN), agg_gates(a, 0.3))
+    loss = fused_linear_cross_entropy(h, W, torch.full_like(y, IGN), agg_gates(a, 0.3))
     dh, dW = grads(loss, h, W)
     assert float(loss.detach()) == 0.0 and not dh.any() and not dW.any()
     with pytest.raises(ValueError, match="reduction='bogus'"):
-        agg_cross_entropy(h, W, y, reduction="bogus")
+        fused_linear_cross_entropy(h, W, y, reduction="bogus")
     with pytest.raises(ValueError, match="normalizer"):
-        agg_cross_entropy(h, W, y, normalizer=3.0)
+        fused_linear_cross_entropy(h, W, y, normalizer=3.0)
     with pytest.raises(ValueError, match="chunk_size=0"):
-        agg_cross_entropy(h, W, y, chunk_size=0)
+        fused_linear_cross_entropy(h, W, y, chunk_size=0)
     with torch.no_grad():  # validation: loss only
-        torch.testing.assert_close(agg_cross_entropy(h, W, y), F.cross_entropy(F.linear(h, W), y, ignore_index=IGN))
-    loss = agg_cross_entropy(h, W, y)
+        torch.testing.assert_close(fused_linear_cross_entropy(h, W, y), F.cross_entropy(F.linear(h, W), y, ignore_index=IGN))
+    loss = fused_linear_cross_entropy(h, W, y)
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="once"):
         loss.backward()
@@ -427,20 +427,20 @@ def test_bf16_autocast_runs_and_is_close_to_fp32():
     gates = agg_gates(a, 0.3)
     for t in (h, W, b):
         t.requires_grad_(True)
-    ref = grads(F.cross_entropy(agg_linear(h, W, y, gates, bias=b), y, ignore_index=IGN), h, W, b)
+    ref = grads(F.cross_entropy(gated_linear(h, W, y, gates, bias=b), y, ignore_index=IGN), h, W, b)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = agg_linear(h, W, y, gates, bias=b)
+        logits = gated_linear(h, W, y, gates, bias=b)
         assert logits.dtype == torch.float32  # the logit gradient will arrive in float32
         loss = F.cross_entropy(logits, y, ignore_index=IGN)
-        fused = agg_cross_entropy(h, W, y, gates, bias=b, chunk_size=16)
+        fused = fused_linear_cross_entropy(h, W, y, gates, bias=b, chunk_size=16)
     for got in (grads(loss, h, W, b), grads(fused, h, W, b)):
         for g, r, t in zip(got, ref, (h, W, b)):
             assert g.dtype == t.dtype == torch.float32
             assert rel_err(g, r) < 2e-2
     # bf16 parameters without autocast: fp32 accumulation inside, bf16 gradients out
-    ref_h, ref_w = grads(F.cross_entropy(agg_linear(h, W, y, gates), y, ignore_index=IGN), h, W)
+    ref_h, ref_w = grads(F.cross_entropy(gated_linear(h, W, y, gates), y, ignore_index=IGN), h, W)
     Wb, hb = W.detach().bfloat16().requires_grad_(True), h.detach().bfloat16().requires_grad_(True)
-    dh, dW = grads(F.cross_entropy(agg_linear(hb, Wb, y, gates).float(), y, ignore_index=IGN), hb, Wb)
+    dh, dW = grads(F.cross_entropy(gated_linear(hb, Wb, y, gates).float(), y, ignore_index=IGN), hb, Wb)
     assert dW.dtype == dh.dtype == torch.bfloat16
     assert rel_err(dW, ref_w) < 2e-2 and rel_err(dh, ref_h) < 2e-2
 
@@ -473,9 +473,9 @@ def test_bf16_autocast_every_head_gemm_takes_bf16_operands_as_autograd():
     errors = {}
     for name, run in {
         "autograd": lambda: three_logit_loss(h, W, y, gates),
-        "agg_linear": lambda: F.cross_entropy(agg_linear(h, W, y, gates), y, ignore_index=IGN),
-        "fused": lambda: agg_cross_entropy(h, W, y, gates, chunk_size=256),
-        "fused_staged": lambda: _with_stage_rows(7, lambda: agg_cross_entropy(h, W, y, gates, chunk_size=256)),
+        "gated_linear": lambda: F.cross_entropy(gated_linear(h, W, y, gates), y, ignore_index=IGN),
+        "fused": lambda: fused_linear_cross_entropy(h, W, y, gates, chunk_size=256),
+        "fused_staged": lambda: _with_stage_rows(7, lambda: fused_linear_cross_entropy(h, W, y, gates, chunk_size=256)),
     }.items():
         mode = _MatmulDtypes()
         with torch.autocast("cpu", dtype=torch.bfloat16), mode:
@@ -485,7 +485,7 @@ def test_bf16_autocast_every_head_gemm_takes_bf16_operands_as_autograd():
             assert all(set(d) == {torch.bfloat16} for d in mode.seen), (name, mode.seen)
         errors[name] = rel_err(dw, ref_dw)
     assert errors["autograd"] < 2e-2
-    for name in ("agg_linear", "fused", "fused_staged"):
+    for name in ("gated_linear", "fused", "fused_staged"):
         assert errors[name] < 2 * errors["autograd"], errors
 
 
@@ -513,7 +513,7 @@ def test_bf16_staged_fused_loss_and_input_gradient_match_float64(smoothing):
     (ref_dh,) = torch.autograd.grad(ref, hb)
     x = h.clone().requires_grad_(True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = _with_stage_rows(7, lambda: agg_cross_entropy(x, W, y, agg_gates(a, 0.3), chunk_size=256,
+        loss = _with_stage_rows(7, lambda: fused_linear_cross_entropy(x, W, y, agg_gates(a, 0.3), chunk_size=256,
                                                                label_smoothing=smoothing))
     (dh,) = torch.autograd.grad(loss, x)
     assert abs(float(loss) - float(ref)) < 1e-5 * float(ref)
@@ -535,10 +535,10 @@ def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(
     ref = out0.double() + (product if scale is None else scale.double()[:, None] * product)
     out = out0.clone()
     if path == "one_gemm":
-        gate_ops._add_rounded_product_(out, a, b, torch.empty(v, d, dtype=torch.bfloat16), scale)
+        gemm_ops._add_rounded_product_(out, a, b, torch.empty(v, d, dtype=torch.bfloat16), scale)
     else:
-        assert v > 2 * gate_ops.UPCAST_ROWS
-        gate_ops._add_rounded_product_blocked_(out, a, b, scale)
+        assert v > 2 * gemm_ops.UPCAST_ROWS
+        gemm_ops._add_rounded_product_blocked_(out, a, b, scale)
     # float32 accumulation inside the GEMM may round a product to the neighbouring bf16 value
     ulp = 2.0 ** -7 * product.abs() * (1.0 if scale is None else scale.double()[:, None])
     err = (out.double() - ref).abs()
@@ -656,7 +656,7 @@ def _reference_run(model, batches, alpha, window, special_ids=(0,), static_after
             else:
                 a_used, steps_used = a, min(t, window)
             g1, g2, rare = ref_gates(a_used, alpha, steps_used)
-            gates = AGGGates(g1.float(), g2.float(), rare)
+            gates = RowGates(g1.float(), g2.float(), rare)
             rare_rows += int(rare[tgt[tgt != IGN]].sum())
             loss = three_logit_loss(model.body(ids), model.lm_head.weight, tgt, gates) / len(step)
             for acc, g in zip(total, grads(loss, *model.parameters())):
@@ -782,7 +782,7 @@ def test_torch_compile_skips_the_value_checks_and_keeps_the_gated_gradient():
     gates = agg_gates(torch.bincount(y[y >= 0], minlength=64).float(), alpha=1.5)
 
     def loss(w):
-        return agg_linear(h, w, y, gates).square().sum()
+        return gated_linear(h, w, y, gates).square().sum()
 
     compiled = torch.compile(loss)(w)
     (grad,) = torch.autograd.grad(compiled, w)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aniso_plugins import AGGGates, AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, StepInfo
+from aniso_plugins import RowGates, AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, StepInfo
 from dist_utils import run_distributed
 from test_agg import IGN, _batches, grads, ref_gates, rel_err, three_logit_loss
 from test_counter import DenseRing
@@ -106,7 +106,7 @@ def test_two_ranks_identical_gates_and_reference_gradients():
         for m in range(2):
             a = ring.criterion_call(torch.cat([per_rank[r][t - 1][m][1].reshape(-1) for r in range(2)]), t)
             g1, g2, rare = ref_gates(a, ALPHA, min(t, WINDOW))
-            gates = AGGGates(g1.float(), g2.float(), rare)
+            gates = RowGates(g1.float(), g2.float(), rare)
             ref_gates_list.append(gates)
             for r in range(2):
                 ids, tgt = per_rank[r][t - 1][m]

@@ -66,10 +66,10 @@ def test_is_oom_recognises_allocation_failures():
 
 def test_worker_runs_out_under_the_memory_limit_and_fused_fits():
     """V = 16384, N = 2048: the plain head's float32 logits alone are 128 MiB; under a 96 MiB
-    limit plain and agg_linear really run out, the fused op (one 256-row chunk of 16 MiB, dW
+    limit plain and gated_linear really run out, the fused op (one 256-row chunk of 16 MiB, dW
     of 2 MiB) runs, and its measured peak is below one logits tensor."""
-    lines = {v: _worker("16384,2048,32", v, 96 / 1024) for v in ("plain", "agg_linear", "fused_typical")}
-    assert lines["plain"]["status"] == "oom" and lines["agg_linear"]["status"] == "oom"
+    lines = {v: _worker("16384,2048,32", v, 96 / 1024) for v in ("plain", "gated_linear", "fused_typical")}
+    assert lines["plain"]["status"] == "oom" and lines["gated_linear"]["status"] == "oom"
     assert lines["fused_typical"]["status"] == "ok"
     assert lines["fused_typical"]["peak"] < 128 * 2**20
 

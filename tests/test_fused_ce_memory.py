@@ -1,4 +1,4 @@
-"""Peak memory of `agg_cross_entropy`: one logits chunk beyond its outputs (dX, dW), no (N, d)
+"""Peak memory of `fused_linear_cross_entropy`: one logits chunk beyond its outputs (dX, dW), no (N, d)
 copies of the hidden states (docs/performance.md §7.3)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from aniso_plugins import agg_cross_entropy, agg_gates
+from aniso_plugins import fused_linear_cross_entropy, agg_gates
 from aniso_plugins.methods.fused_loss.cross_entropy import default_chunk_rows
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -29,10 +29,10 @@ def test_fused_cross_entropy_holds_one_chunk_beyond_its_gradients():
     y[::7] = -100
     gates = agg_gates(torch.linspace(0.0, 1.0, v), 0.3)  # ids below 0.3 are rare: both row groups
     assert gates.rare.any() and not gates.rare.all()
-    agg_cross_entropy(x[:4096], w, y[:4096], gates).backward()  # warm-up
+    fused_linear_cross_entropy(x[:4096], w, y[:4096], gates).backward()  # warm-up
     x.grad = w.grad = None
     with PeakMemory(torch.device("cpu")) as peak:
-        agg_cross_entropy(x, w, y, gates).backward()
+        fused_linear_cross_entropy(x, w, y, gates).backward()
     assert torch.isfinite(x.grad).all() and x.grad[::7].abs().max() == 0  # ignored rows: no gradient
     outputs = x.grad.numel() * 4 + w.grad.numel() * 4
     assert peak.bytes < outputs + 32 * MIB, (peak.bytes / MIB, outputs / MIB)
@@ -60,10 +60,10 @@ def test_large_vocabulary_peak_is_gradients_plus_one_capped_chunk():
     gates = agg_gates(torch.linspace(0.0, 1.0, v), 0.3)
     peaks = {}
     for chunk in (None, 1024):
-        agg_cross_entropy(x[:64], w, y[:64], gates, chunk_size=chunk).backward()  # warm-up
+        fused_linear_cross_entropy(x[:64], w, y[:64], gates, chunk_size=chunk).backward()  # warm-up
         x.grad = w.grad = None
         with PeakMemory(torch.device("cpu")) as peak:
-            agg_cross_entropy(x, w, y, gates, chunk_size=chunk).backward()
+            fused_linear_cross_entropy(x, w, y, gates, chunk_size=chunk).backward()
         peaks[chunk] = peak.bytes
         outputs = x.grad.numel() * 4 + w.grad.numel() * 4
         x.grad = w.grad = None
@@ -83,10 +83,10 @@ def test_bf16_cpu_step_holds_no_vocabulary_sized_product():
     y = torch.randint(0, v, (n,), generator=g)
     gates = agg_gates(torch.linspace(0.0, 1.0, v), 0.3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        agg_cross_entropy(x[:64], w, y[:64], gates, chunk_size=64).backward()  # warm-up
+        fused_linear_cross_entropy(x[:64], w, y[:64], gates, chunk_size=64).backward()  # warm-up
     x.grad = w.grad = None
     with PeakMemory(torch.device("cpu")) as peak, torch.autocast("cpu", dtype=torch.bfloat16):
-        agg_cross_entropy(x, w, y, gates, chunk_size=64).backward()
+        fused_linear_cross_entropy(x, w, y, gates, chunk_size=64).backward()
     assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
     outputs = x.grad.numel() * 4 + w.grad.numel() * 4
     weight_copy = v * d * 2

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
-from aniso_plugins import AnisoConfig, ConfigError, agg_cross_entropy
+from aniso_plugins import AnisoConfig, ConfigError, fused_linear_cross_entropy
 from aniso_plugins.integrations.hf import AnisoCallback
 from aniso_plugins.integrations.lightning import AnisoCallback as LightningCallback
 from hf_utils import TokenDataset, tiny_gpt2, tiny_llama
@@ -50,7 +50,7 @@ def test_float64_fused_label_smoothing_equals_f_cross_entropy():
     w = torch.randn(11, 5, dtype=torch.float64, generator=g, requires_grad=True)
     y = torch.randint(0, 11, (3, 7), generator=g)
     y[0, :3] = -100
-    got = agg_cross_entropy(h, w, y, label_smoothing=0.2, chunk_size=4)
+    got = fused_linear_cross_entropy(h, w, y, label_smoothing=0.2, chunk_size=4)
     ref = F.cross_entropy((h @ w.T).reshape(-1, 11), y.reshape(-1), label_smoothing=0.2)
     assert abs(float((got - ref).detach())) < 1e-12
     for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
@@ -79,7 +79,7 @@ def test_float32_fused_loss_where_the_target_probability_underflows(gated, smoot
     ref = F.cross_entropy((h64 @ w64.T).reshape(-1, v), y.reshape(-1), label_smoothing=smoothing)
     assert float(ref.detach()) * 2 * 24 > 4 * 200  # the four rows really are hundreds of nats
     h32, w32 = h.clone().requires_grad_(), w.clone().requires_grad_()
-    got = agg_cross_entropy(h32, w32, y, gates, label_smoothing=smoothing, chunk_size=7)
+    got = fused_linear_cross_entropy(h32, w32, y, gates, label_smoothing=smoothing, chunk_size=7)
     assert torch.isfinite(got) and abs(float(got) - float(ref)) < 1e-5 * float(ref)
     dh, dw = torch.autograd.grad(got, (h32, w32))
     rh, rw = torch.autograd.grad(ref, (h64, w64))

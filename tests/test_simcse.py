@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from aniso_plugins import AnisoConfig, ConfigError, SimCSECollator, TrainingSession
+from aniso_plugins.core.targets import MicroBatchTargets
 from aniso_plugins.integrations.hf import AnisoCallback, hf_handle
 from aniso_plugins.methods.simcse.contrastive import info_nce, pool
 
@@ -323,14 +324,14 @@ def test_batches_that_are_not_pairs_are_refused_before_the_first_step(tmp_path):
     session.begin_training()
     ids = torch.tensor([[0, 2, 5, 3], [0, 2, 5, 3]])
     with pytest.raises(ConfigError, match="left padding"):
-        session.begin_micro_batch(torch.full_like(ids, -100), step=1, input_ids=ids, attention_mask=(ids != 0).long())
+        session.begin_micro_batch(MicroBatchTargets(torch.full_like(ids, -100), ids, (ids != 0).long()), step=1)
     ids = ids[:1]
     with pytest.raises(ConfigError, match="not \\(2N, T\\) pairs"):
-        session.begin_micro_batch(torch.full_like(ids, -100), step=1, input_ids=ids, attention_mask=(ids != 0).long())
+        session.begin_micro_batch(MicroBatchTargets(torch.full_like(ids, -100), ids, (ids != 0).long()), step=1)
     packed = torch.tensor([[2, 5, 3, 2, 5, 3], [2, 5, 3, 2, 5, 3]])  # two sentences per row
     with pytest.raises(ConfigError, match="packed micro-batch"):
-        session.begin_micro_batch(torch.full_like(packed, -100), step=1, input_ids=packed,
-                                  sequence_ids=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2))  # fmt: skip
+        session.begin_micro_batch(MicroBatchTargets(torch.full_like(packed, -100), packed,
+                                                    sequence_ids=torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)), step=1)  # fmt: skip
 
 
 def test_simcse_spreads_held_out_sentence_embeddings(tmp_path):

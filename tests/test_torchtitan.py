@@ -404,7 +404,7 @@ def test_agg_gradients_equal_the_reference_on_step_one(runs, name):
             torch.testing.assert_close(record["grads"][param], grad, rtol=1e-4, atol=1e-7, msg=param)
     if name == "agg":  # the fused head never forms logits: one call on the whole micro-batch
         assert len(record["head_inputs"]) == 1 and record["head_inputs"][0].shape == (LOCAL, SEQ, 256)
-    else:  # torchtitan's 8 chunks, each gated by the core's agg_linear
+    else:  # torchtitan's 8 chunks, each gated by the core's gated_linear
         assert len(record["head_inputs"]) == 8
 
 

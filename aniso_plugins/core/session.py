@@ -43,6 +43,7 @@ from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
 from aniso_plugins.core.steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
+from aniso_plugins.core.targets import MicroBatchTargets
 from aniso_plugins.numerics.distributed import rank_and_world
 
 logger = logging.getLogger("aniso_plugins")
@@ -210,26 +211,27 @@ class TrainingSession:
     # --- training ---------------------------------------------------------------------------
     def begin_micro_batch(
         self,
-        targets: torch.Tensor,
+        batch: MicroBatchTargets | torch.Tensor,
         *,
         step: int,
         accumulation_steps: int = 1,
         measure: bool = False,
         head_calls: int = 1,
         loss_normalizer: torch.Tensor | None = None,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        sequence_ids: torch.Tensor | None = None,
         supplies_loss: bool = False,
     ) -> StepInfo:
-        """Announce a training micro-batch (targets already aligned with the head's output).
+        """Announce a training micro-batch: its targets, already aligned with the head's output
+        (a tensor), or the targets with the token ids, padding mask and packed-example ids at
+        the head's positions (`MicroBatchTargets`, as `micro_batch_targets` reads them).
 
         step: 1-based index of the optimizer step this micro-batch belongs to;
         accumulation_steps: micro-batches in this step (a trainer's last window of an epoch
         may be shorter); measure: whether metrics are measured after this step;
-        head_calls / loss_normalizer / input_ids / attention_mask / sequence_ids: see `StepInfo`;
+        head_calls / loss_normalizer: see `StepInfo`;
         supplies_loss: the batch has no labels and `supplied_loss()` will be its loss (only
         when `supplies_loss` says the configuration can)."""
+        if isinstance(batch, torch.Tensor):
+            batch = MicroBatchTargets(batch)
         if self.run is None:
             raise SetupError("TrainingSession.begin_training(...) must run before the first micro-batch")
         if self._current is not None and self._current.step != step:
@@ -241,9 +243,9 @@ class TrainingSession:
             measure=measure,
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            sequence_ids=sequence_ids,
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            sequence_ids=batch.sequence_ids,
         )
         if supplies_loss and not self.supplies_loss:
             raise ConfigError(
@@ -253,10 +255,10 @@ class TrainingSession:
         self._micro_batch += 1
         self._current = info
         self._clear_micro_batch()
-        self.plugins.targets(targets, info)
+        self.plugins.targets(batch.targets, info)
         self._loss_due = self.config.reg_every_microbatch or info.last_micro_batch
         self._activations_due = self.plugins.implements("aniso_activation_loss_terms")
-        self._targets = targets
+        self._targets = batch.targets
         self._supplying = supplies_loss
         return info
 

@@ -26,8 +26,9 @@ from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import RunInfo, StepInfo
 from aniso_plugins.methods.agg.counter import SlidingTokenCounter
-from aniso_plugins.methods.agg.gates import AGGGates, agg_gates
+from aniso_plugins.methods.agg.gates import agg_gates
 from aniso_plugins.methods.fused_loss.head import TrainingHead, check_linear_head
+from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.numerics.distributed import is_distributed
 
 NAMESPACE = "agg"
@@ -52,7 +53,7 @@ class AGGPlugin(Plugin):
         self.head: TrainingHead | None = None
         self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
-        self.last_gates: AGGGates | None = None
+        self.last_gates: RowGates | None = None
         self._static: tuple[torch.Tensor, int] | None = None  # (appearance, steps) frozen by agg_static_after
         self._step_warned = False
 
@@ -205,7 +206,7 @@ class AGGPlugin(Plugin):
             raise RuntimeError("AGG: no token counter yet (the adapter must call TrainingSession.begin_training first)")
         return self.counter
 
-    def _gates(self, counter: SlidingTokenCounter) -> AGGGates:
+    def _gates(self, counter: SlidingTokenCounter) -> RowGates:
         c = self.config
         appearance, steps = self._static or (counter.appearance(), counter.steps_in_window)
         return agg_gates(

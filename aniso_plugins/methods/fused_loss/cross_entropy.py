@@ -1,5 +1,5 @@
-"""Fused, chunked linear + cross-entropy (optionally label-smoothed and AGG-gated): never the
-full N×V logits.
+"""Fused, chunked linear + cross-entropy, `fused_linear_cross_entropy` (optionally label-smoothed
+and with row-gated weight gradient, e.g. AGG's): never the full N×V logits.
 
 The approach of Liger-Kernel's fused linear cross-entropy (docs/performance.md §1.1): the forward
 walks over chunks of token rows, computes a chunk of logits, its loss and its logit gradient
@@ -7,7 +7,7 @@ G_c = (softmax − onehot)/D, projects it at once (dX_c = G_c W, dW += G_cᵀ X_
 dW, db for the backward, which scales them by the incoming scalar gradient. Two passes touch the
 chunk: one row-local softmax kernel, and the copy to the GEMM dtype under autocast; the loss is
 −log p_{i,y_i}, and the 1/D goes on the (rows, d) and V-sized results, not on the chunk.
-AGG's Γ (`aniso_plugins.methods.agg.gates`) costs no N×V pass: rows are ordered so that the larger row group
+The gates Γ of `RowGates` (AGG's) cost no N×V pass: rows are ordered so that the larger row group
 (non-rare or rare targets) comes first; its chunks accumulate unscaled, then dW is scaled once
 by that group's gate vector, the smaller group's chunks are multiplied in place by theirs, and
 target entries are corrected at the end with one index_add (docs/performance.md §3.2, §6.1).
@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aniso_plugins.methods.agg.gates import AGGGates, addmm_in_, check_inputs, compute_dtypes, row_gating
+from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes
+from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
-__all__ = ["agg_cross_entropy", "default_chunk_rows"]
+__all__ = ["default_chunk_rows", "fused_linear_cross_entropy"]
 
 CHUNK_LOGITS_BYTES = 512 * 2**20
 """Budget of one float32 logits chunk when ``chunk_size`` is None (`default_chunk_rows`)."""
@@ -38,9 +39,9 @@ def default_chunk_rows(vocab: int, tokens: int, logit_bytes: int = 4) -> int:
     few rows) take 1/8 of the bytes of the batch's float32 logits (N/8 rows in float32, N/4 in
     bf16), at least 512 and at most ``ROW_BLOCK`` (1024); fewer where those rows would exceed
     `CHUNK_LOGITS_BYTES` (float32 V > 131072): 512 at V = 262144, 256 at V = 524288, never fewer
-    than `MIN_CHUNK_ROWS`. At N = 4096, float32 512-row chunks cost 2-3% of the step against
-    1024-row ones and 256-row chunks 15%; in bf16 1024 rows were 10% faster than 512. The peak is
-    then dW + dX + at most 512 MiB of logits up to V = 524288 (docs/performance.md §7.3)."""
+    than `MIN_CHUNK_ROWS`: smaller chunks cost more of the step, larger ones more memory (the
+    measurements behind these bounds: docs/performance.md §7.3). The peak is then dW + dX + at
+    most 512 MiB of logits up to V = 524288."""
     by_batch = min(ROW_BLOCK, max(ROW_BLOCK // 2, tokens * 4 // (8 * logit_bytes)))
     return max(MIN_CHUNK_ROWS, min(by_batch, CHUNK_LOGITS_BYTES // (logit_bytes * vocab)))
 
@@ -73,8 +74,7 @@ STAGE_BYTES = 8 * 2**20
 class _Workspace:
     """The chunk buffers of one call, allocated once and reused by every chunk (views of their
     first rows for the last, shorter chunk). On the CPU a new tensor of tens of MiB is fresh
-    pages from the OS: a new logits chunk per chunk cost ≈ 4% of a float32 step, and the
-    per-chunk tensors of a bf16 step ≈ 30% (docs/performance.md §7.3)."""
+    pages from the OS, a cost per chunk that reuse avoids (docs/performance.md §7.3)."""
 
     def __init__(self, rows: int, v: int, d: int, compute: torch.dtype, acc: torch.dtype, device: torch.device,
                  dw_product: bool) -> None:
@@ -161,7 +161,7 @@ def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys:
     return nll
 
 
-class _FusedAGGCrossEntropy(torch.autograd.Function):
+class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled):
         compute, acc, _ = dtypes
@@ -228,7 +228,7 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.grads is None:
             raise RuntimeError(
-                "agg_cross_entropy: backward can run once per forward (the gradients are computed in forward)"
+                "fused_linear_cross_entropy: backward can run once per forward (the gradients are computed in forward)"
             )
         out = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
@@ -236,7 +236,7 @@ class _FusedAGGCrossEntropy(torch.autograd.Function):
 
 
 def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
-    """1 / D of `agg_cross_entropy`'s loss."""
+    """1 / D of `fused_linear_cross_entropy`'s loss."""
     if reduction == "mean":
         if normalizer is not None:
             raise ValueError("normalizer: only used with reduction='sum' (mean divides by the non-ignored targets)")
@@ -246,11 +246,11 @@ def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normal
     raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
 
 
-def agg_cross_entropy(
+def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    gates: AGGGates | None = None,
+    row_gates: RowGates | None = None,
     *,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
@@ -269,8 +269,9 @@ def agg_cross_entropy(
     D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
     and 0 gradients when there is none) or `normalizer` (``reduction="sum"``; 1 if None; pass
     torchtitan's ``global_valid_tokens`` here). Gradients: plain CE for `hidden` and `bias`;
-    for `weight` the AGG-gated ``(G ⊙ Γ)ᵀ X`` of `aniso_plugins.agg_linear` (docs/methods.md §1.5),
-    or the plain one when `gates` is None (then this is an ordinary fused linear CE).
+    for `weight` the gated ``(G ⊙ Γ)ᵀ X`` of `row_gates` (AGG's: docs/methods.md §1.5), as
+    `aniso_plugins.gated_linear`, or the plain one when `row_gates` is None (an ordinary fused
+    linear CE).
 
     Peak extra memory: one logits chunk (`chunk_size` × V; `chunk_size` None: the rows of
     `default_chunk_rows`, at most 512 MiB) and its temporaries beyond the gradients dW (V × d,
@@ -280,11 +281,11 @@ def agg_cross_entropy(
     as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
     goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
-    rows, elsewhere through one V × d buffer: `aniso_plugins.methods.agg.gates.addmm_in_`).
+    rows, elsewhere through one V × d buffer: `aniso_plugins.methods.fused_loss.gemm.addmm_in_`).
     `weight` must be the full (V, d) tensor (under FSDP2 call it where the head parameter is
     unsharded).
     """
-    check_inputs(hidden, weight, targets, gates, ignore_index, "agg_cross_entropy")
+    check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy")
     dtypes = compute_dtypes(hidden, weight)
     if chunk_size is None:
         compute, acc, _ = dtypes
@@ -297,10 +298,9 @@ def agg_cross_entropy(
     scale = _loss_scale(targets, ignore_index, reduction, normalizer)
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
-    if gates is not None:
-        gates = gates.to(weight.device)
+    gates = None if row_gates is None else row_gates.to(weight.device)
     targets = targets.to(hidden.device)
-    return _FusedAGGCrossEntropy.apply(
+    return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
         torch.is_grad_enabled(),
     )

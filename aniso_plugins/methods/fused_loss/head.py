@@ -1,7 +1,7 @@
 """The training forward installed in place on an LM head module: AGG's gated logits and the
 fused chunked cross-entropy (the one forward any plugin arms, in every adapter). The math lives
-in `aniso_plugins.methods.agg.gates` (gates, `agg_linear`) and
-`aniso_plugins.methods.fused_loss.cross_entropy` (the fused chunked cross-entropy); this module only
+in `aniso_plugins.methods.fused_loss.linear` (`gated_linear`) and
+`aniso_plugins.methods.fused_loss.cross_entropy` (`fused_linear_cross_entropy`); this module only
 decides which one a call runs."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from torch import nn
 
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.steps import TargetChunks
-from aniso_plugins.methods.agg.gates import AGGGates, agg_linear
-from aniso_plugins.methods.fused_loss.cross_entropy import agg_cross_entropy
+from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
+from aniso_plugins.methods.fused_loss.linear import gated_linear
+from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.methods.heads.lowrank import LowRankHead
 
 logger = logging.getLogger("aniso_plugins")
@@ -32,11 +33,11 @@ class TrainingHead:
     ``module.bias``) at call time, where FSDP2 has unsharded them (a head whose ``weight`` is a
     computed property, W = A·B, works too), and return either
 
-    - the logits of `agg_linear` (plain values, gated weight gradient), one chunk of the
+    - the logits of `gated_linear` (plain values, gated weight gradient), one chunk of the
       targets per call when the adapter runs the head in ``chunks`` pieces (torchtitan's
       chunked loss), or
     - fused, the chunked cross-entropy of the whole micro-batch, ``Σ_{i: y_i ≠ ignore} CE_i /
-      normalizer`` (`aniso_plugins.agg_cross_entropy`, AGG-gated when armed with gates, label
+      normalizer`` (`aniso_plugins.fused_linear_cross_entropy`, AGG-gated when armed with gates, label
       smoothed with ``label_smoothing``), a 0-dim tensor: never the full logits.
 
     Any other call runs the module's original forward. `remove` restores it.
@@ -53,7 +54,7 @@ class TrainingHead:
         self._original = module.forward
         self._targets: TargetChunks | None = None
         self._whole: torch.Tensor | None = None
-        self._gates: AGGGates | None = None
+        self._gates: RowGates | None = None
         self._fused: tuple[torch.Tensor | None, float] | None = None  # (normalizer, label smoothing)
         self._warned = False
         module.forward = self.forward
@@ -64,7 +65,7 @@ class TrainingHead:
         installed = getattr(module.forward, "__self__", None)
         return installed if isinstance(installed, cls) else None
 
-    def arm(self, targets: torch.Tensor, gates: AGGGates | None = None, *, chunks: int = 1) -> None:
+    def arm(self, targets: torch.Tensor, gates: RowGates | None = None, *, chunks: int = 1) -> None:
         """One micro-batch's targets (aligned with the head's output positions) and gates for
         the next forward, or for the next `chunks` forwards (equal chunks of the last target
         dimension, in order)."""
@@ -119,9 +120,9 @@ class TrainingHead:
         if self._targets.exhausted:
             self.disarm()
         if fused is None:
-            return agg_linear(hidden, weight, targets, gates, bias, self.ignore_index)
+            return gated_linear(hidden, weight, targets, gates, bias, self.ignore_index)
         normalizer, smoothing = fused
-        return agg_cross_entropy(
+        return fused_linear_cross_entropy(
             hidden,
             weight,
             targets,
@@ -141,7 +142,7 @@ LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)
 
 def check_linear_head(module: nn.Module, framework_forward: bool = False, who: str = "AGG") -> None:
     """Raise `SetupError` unless `module`'s forward is exactly a linear map of its ``weight``
-    (and ``bias``): the training head replaces that forward by ``agg_linear(x, weight, ...)``
+    (and ``bias``): the training head replaces that forward by ``gated_linear(x, weight, ...)``
     or the fused loss, so anything else it computes (a logit scale, a soft-cap, a norm) would
     silently be lost. `who` names the feature in the message.
     `framework_forward`: the trainer sets an instance forward around the class forward that

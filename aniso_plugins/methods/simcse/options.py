@@ -15,8 +15,10 @@ CAUSAL_LM_METHODS = ("agg", "simctg")
 
 @dataclass(frozen=True)
 class SimCSEOptions(Options):
-    """Unsupervised SimCSE (Gao."""
-
+    """Unsupervised SimCSE (Gao, Yao & Chen, EMNLP 2021; docs/methods.md §14): each sentence is
+    encoded twice with independent dropout masks, and the InfoNCE loss
+    ``−log exp(sim(h_i, h_i⁺)/τ) / Σ_j exp(sim(h_i, h_j⁺)/τ)`` (cosine similarity, in-batch
+    negatives) pulls the two views together. Not combinable with the causal-LM methods."""
 
     simcse_weight: float = 1.0
     """Weight of the SimCSE InfoNCE loss (the whole loss when the batch has no labels)."""

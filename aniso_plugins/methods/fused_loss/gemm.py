@@ -1,0 +1,126 @@
+"""The GEMM and dtype rules shared by the training head's two forwards (`gated_linear`,
+`fused_linear_cross_entropy`): input checks, the GEMM / accumulation / logits dtypes under autocast,
+and ``out += a @ b`` with bf16 operands into a float32 gradient (docs/performance.md §7.3)."""
+
+from __future__ import annotations
+
+import torch
+
+from aniso_plugins.methods.fused_loss.row_gates import RowGates
+
+__all__ = ["UPCAST_ROWS", "addmm_in_", "check_inputs", "compute_dtypes"]
+
+
+def _check_weight(weight: torch.Tensor, where: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        raise TypeError(
+            f"{where}: weight is a DTensor with placements {weight.placements}; it needs the full (V, d) "
+            "weight: call it where FSDP2 has unsharded the parameter (inside the head module's forward)"
+        )
+    if weight.dim() != 2:
+        raise ValueError(f"{where}: weight must be 2-D (V, d), got shape {tuple(weight.shape)}")
+
+
+def check_inputs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    gates: RowGates | None,
+    ignore_index: int,
+    where: str,
+) -> None:
+    """Shape, dtype and range checks shared by `gated_linear` and `fused_linear_cross_entropy`."""
+    _check_weight(weight, where)
+    v, d = weight.shape
+    if hidden.shape[-1] != d:
+        raise ValueError(f"{where}: hidden has {hidden.shape[-1]} features, weight expects {d}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"{where}: targets of shape {tuple(targets.shape)} do not match the positions of hidden "
+            f"{tuple(hidden.shape[:-1])} (targets must be aligned with the head's output positions)"
+        )
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"{where}: targets must be integer token ids, got {targets.dtype}")
+    if gates is not None and gates.vocab_size != v:
+        raise ValueError(f"{where}: gates are for {gates.vocab_size} ids, weight has {v} rows")
+    if torch.compiler.is_compiling():  # the value check reads the data: a graph break under torch.compile
+        return
+    flat = targets[targets != ignore_index]
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= v):
+        raise ValueError(
+            f"{where}: targets must be in [0, {v}) or equal ignore_index={ignore_index}; "
+            f"got values in [{int(flat.min())}, {int(flat.max())}]"
+        )
+
+
+def compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(GEMM dtype, accumulation dtype, logits dtype) for the head.
+
+    Under autocast the GEMMs run in the autocast dtype and the logits come out in float32
+    (so the logit gradient arrives in float32); the weight gradient always accumulates in at
+    least float32. Without autocast everything is the weight's dtype, as ``F.linear``."""
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and weight.dtype.is_floating_point:
+        return torch.get_autocast_dtype(device), acc, acc
+    return weight.dtype, acc, weight.dtype
+
+
+UPCAST_ROWS = 512
+"""Rows of `out` per block of `addmm_in_`'s CPU path (0.75 + 1.5 MiB of buffers at d = 768; the
+block size was chosen by measurement: docs/performance.md §7.3)."""
+
+
+def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype,
+              product: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> None:
+    """``out += a @ b`` with the GEMM's operands in `compute`, the head's GEMM dtype.
+
+    As autograd computes ``F.linear``'s weight gradient under autocast, and as Liger-Kernel's
+    fused linear cross-entropy accumulates dW: a `compute`-dtype GEMM (float32 accumulation inside
+    it), its product rounded to `compute` once and added into the float32 `out`; when `compute` is
+    `out`'s dtype, ``out.addmm_(a, b)``. A float32 GEMM in a bf16 step would run at the GPU's
+    float32 rate, many times slower than plain autograd's (docs/performance.md §7.3).
+    `row_scale`: ``out += diag(row_scale) · (a @ b)`` (only where `compute` differs from out's
+    dtype: the scale applies to the float32 product, after its one rounding).
+
+    Off the CPU the product is one GEMM into `product` (a buffer of out's shape in `compute`,
+    reused across calls, or None) and one mixed-dtype add. On the CPU it is computed in blocks of
+    `UPCAST_ROWS` rows of `out`, each rounded, converted into a small float32 buffer and added:
+    no `out`-sized product (at V = 32768, d = 2048: 128 MiB less), and no mixed-dtype ``add_`` of
+    the whole product, which converts through a full-size temporary and is much slower on the
+    CPU than the blocks (measurements: docs/performance.md §7.3)."""
+    if compute == out.dtype:
+        if row_scale is not None:
+            raise ValueError("addmm_in_: row_scale is for a product in a narrower dtype than out")
+        out.addmm_(a.to(compute), b.to(compute))
+    elif out.device.type == "cpu":
+        _add_rounded_product_blocked_(out, a.to(compute), b.to(compute), row_scale)
+    else:
+        _add_rounded_product_(out, a.to(compute), b.to(compute), product, row_scale)
+
+
+def _add_rounded_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, product: torch.Tensor | None,
+                          row_scale: torch.Tensor | None) -> None:
+    """`addmm_in_` off the CPU: one GEMM into `product` (or a new tensor) and one mixed-dtype add."""
+    src = torch.mm(a, b, out=product)
+    if row_scale is None:
+        out.add_(src)
+    else:
+        out.addcmul_(src, row_scale[:, None].to(out.dtype))
+
+
+def _add_rounded_product_blocked_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                                  row_scale: torch.Tensor | None) -> None:
+    """`addmm_in_` on the CPU: blocks of `UPCAST_ROWS` rows of `out`, each a GEMM into a small
+    buffer of `a`'s dtype, converted into a small float32 one, scaled and added."""
+    rows = min(UPCAST_ROWS, out.shape[0])
+    part = torch.empty(rows, out.shape[1], dtype=a.dtype)
+    stage = torch.empty(rows, out.shape[1], dtype=out.dtype)
+    for i in range(0, out.shape[0], UPCAST_ROWS):
+        n = min(UPCAST_ROWS, out.shape[0] - i)
+        block = stage[:n].copy_(torch.mm(a[i : i + n], b, out=part[:n]))
+        if row_scale is not None:
+            block.mul_(row_scale[i : i + n, None])
+        out[i : i + n].add_(block)
