@@ -26,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
-from aniso_plugins.offline.report import analyze
+from aniso_plugins.offline.report import TextOptions, analyze
 
 
 def train(method: str, train_ds, vocab: int, a, out: Path) -> None:
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     for method in ("mle", "agg"):
         train(method, Blocks(ids[:split], a.block), len(vocab), a, out)
         tok.save_pretrained(out / method)
-    report = analyze([str(out / "mle"), str(out / "agg")], text_file=out / "valid.txt", counts_file=out / "train.txt",
-                     progress=sys.stderr.isatty())
+    options = TextOptions(text_file=out / "valid.txt", counts_file=out / "train.txt")
+    report = analyze([str(out / "mle"), str(out / "agg")], options, progress=sys.stderr.isatty())
     paths = report.write(out / "report")
     print(report.to_markdown())
     print("wrote", *paths, sep="\n  ")

@@ -238,12 +238,12 @@ def report_plots(paths: list[Path], names: list[str], a: argparse.Namespace, dir
     the saved heads, with the whole corpus as the text (its counts give the frequency groups)."""
     from corpus import WordTokenizer, load_text, tokenize
 
-    from aniso_plugins.offline.report import analyze
+    from aniso_plugins.offline.report import TextOptions, analyze
 
     text = load_text(a.text_file)
     ids, vocab = tokenize(text, a.vocab_size)
-    report = analyze([str(p) for p in paths], names=names, text=text, tokenizer=WordTokenizer(vocab),
-                     max_tokens=len(ids), progress=False)  # fmt: skip
+    options = TextOptions(text=text, tokenizer=WordTokenizer(vocab), max_tokens=len(ids))
+    report = analyze([str(p) for p in paths], options, names=names, progress=False)
     report_dir = directory / "report"
     return report.write(report_dir)
 

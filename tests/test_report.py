@@ -238,7 +238,7 @@ def test_cli_safetensors_file_and_streamed_blocks(zoo, tmp_path, monkeypatch):
     rep = report_mod.analyze([str(path)], progress=False)
     assert_geometry(rep.models[0]["matrices"]["model.embed_tokens.weight"], emb.numpy(), rtol=1e-10)
     # sampled Gram: mean cosines stay exact, the spectrum is an estimate
-    rep = report_mod.analyze([str(path)], progress=False, gram_rows=300)
+    rep = report_mod.analyze([str(path)], matrices=report_mod.MatrixOptions(gram_rows=300), progress=False)
     geo = rep.models[0]["matrices"]["model.embed_tokens.weight"]
     assert geo["gram"].startswith("sampled (300 rows")
     assert geo["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(emb.numpy()), rel=1e-10)
@@ -312,8 +312,8 @@ def test_write_report_in_memory_model_and_encoder(zoo, tmp_path):
 def test_counts_file_defines_the_groups(zoo, tmp_path):
     count_text = "the the the the of of a " * 50
     (tmp_path / "counts.txt").write_text(count_text)
-    rep = report_mod.analyze([str(zoo / "gpt2")], text_file=zoo / "text.txt", counts_file=tmp_path / "counts.txt",
-                             max_tokens=600, progress=False)
+    options = report_mod.TextOptions(text_file=zoo / "text.txt", counts_file=tmp_path / "counts.txt", max_tokens=600)
+    rep = report_mod.analyze([str(zoo / "gpt2")], options, progress=False)
     text = rep.models[0]["text"]
     tok = transformers.AutoTokenizer.from_pretrained(zoo / "gpt2", local_files_only=True)
     ids = torch.tensor(tok(count_text, add_special_tokens=False)["input_ids"])
@@ -323,7 +323,7 @@ def test_counts_file_defines_the_groups(zoo, tmp_path):
     assert text["groups_from"] == "counts_text" and text["counted_targets"] == blocks.shape[0] * 63
     assert torch.equal(text["_groups"], torch.from_numpy(groups))
     with pytest.raises(report_mod.ReportError, match="needs --text-file"):
-        report_mod.analyze([str(zoo / "gpt2")], counts_file=tmp_path / "counts.txt", progress=False)
+        report_mod.analyze([str(zoo / "gpt2")], report_mod.TextOptions(counts_file=tmp_path / "counts.txt"), progress=False)
 
 
 def test_encoder_decoder_text_pass_measures_the_decoder(zoo, tmp_path):
@@ -479,8 +479,9 @@ def test_plots_share_their_axes_and_label_what_they_show(zoo):
     order; layers.png: integer block ticks and what block 0 is."""
     from aniso_plugins.offline import render
 
-    rep = report_mod.analyze([str(zoo / "gpt2"), str(zoo / "gpt2")], text=_text()[:20_000], tokenizer=None,
-                             postprocess=["centering", "whitening"], progress=False, max_tokens=1500)
+    options = report_mod.TextOptions(text=_text()[:20_000], tokenizer=None, max_tokens=1500)
+    rep = report_mod.analyze([str(zoo / "gpt2"), str(zoo / "gpt2")], options, postprocess=["centering", "whitening"],
+                             progress=False)
     plt = render._pyplot()
     fig = render._plot_cosines(plt, render._columns(rep), rep.settings["postprocess"])
     titles = [ax.get_title() for ax in fig.axes]
@@ -507,3 +508,17 @@ def test_round_off_is_printed_as_zero(zoo, tmp_path):
     md = rep.to_markdown()
     after = md[md.index("## After whitening"):]
     assert "| spectral saturation (raw) | 0 |" in after
+
+
+def test_analyze_takes_its_options_as_frozen_dataclasses():
+    """The text and matrix options are `TextOptions` / `MatrixOptions`; a path where they go (the
+    second argument was the text file) is a TypeError that shows the new form."""
+    import dataclasses
+
+    with pytest.raises(TypeError, match=r"analyze\(text='valid.txt'\): expected a TextOptions, e\.g\. text=TextOptions\("):
+        report_mod.analyze(["unused"], "valid.txt")
+    with pytest.raises(TypeError, match=r"analyze\(matrices=300\): expected a MatrixOptions"):
+        report_mod.analyze(["unused"], matrices=300)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report_mod.TextOptions().max_tokens = 5
+    assert report_mod.MatrixOptions().gram_flops == report_mod.GRAM_FLOPS and report_mod.TextOptions().max_tokens == 100_000

@@ -22,12 +22,11 @@ PLANTED = [17, 101, 202]
 PADDING = 24
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("under_trained")
-    text = _text()
-    tok = _tokenizer(text)
-    v = len(tok) + PADDING  # rows beyond the tokenizer: never a token, never trained
+def _planted_checkpoint(folder, tok, planted: list[int]) -> np.ndarray:
+    """A tiny GPT-2 whose rows beyond the tokenizer (padding: never a token, never trained) and
+    the `planted` in-vocabulary rows sit near one initialization, saved with `tok` into `folder`;
+    returns its (V, d) float64 embedding."""
+    v = len(tok) + PADDING
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=v, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0))
@@ -36,13 +35,22 @@ def checkpoint(tmp_path_factory):
         w = model.transformer.wte.weight
         w.copy_(torch.randn(v, 32, generator=g))
         init = torch.randn(32, generator=g)
-        for rows in (list(range(len(tok), v)), PLANTED):
+        for rows in (list(range(len(tok), v)), planted):
             w[rows] = init + 0.02 * torch.randn(len(rows), 32, generator=g)
         w.add_(torch.randn(v, 1, generator=g) * 3)  # a direction every row shares
-    model.save_pretrained(root / "gpt2")
-    tok.save_pretrained(root / "gpt2")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model.transformer.wte.weight.detach().double().numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("under_trained")
+    text = _text()
+    tok = _tokenizer(text)
+    w = _planted_checkpoint(root / "gpt2", tok, PLANTED)
     (root / "text.txt").write_text(text[:20_000], encoding="utf-8")
-    return root, model.transformer.wte.weight.detach().double().numpy(), len(tok)
+    return root, w, len(tok)
 
 
 def test_report_lists_the_planted_tokens_first_and_verifies_them(checkpoint, tmp_path):
@@ -111,3 +119,53 @@ def test_a_tokenizer_the_finder_cannot_read_leaves_the_rest_of_the_report(checkp
     assert "a broken vocabulary file" in rep.models[0]["under_trained"]["error"]
     assert rep.models[0]["matrices"]["embedding"]["raw"]["mean_cosine"] is not None
     assert "Not computed: UnicodeDecodeError" in rep.to_markdown()
+
+
+ODD_TOKENS = ["a,b", 'say "hi"', "two\nlines"]
+"""Token strings a CSV must quote: a comma, double quotes, a newline."""
+
+
+def test_every_suspected_token_is_in_under_trained_csv_most_suspect_first(checkpoint, tmp_path):
+    """80 planted rows (more than the 50 listed in report.json), three of them tokens with a
+    comma, quotes and a newline; two models in one report: one file with a ``model`` column."""
+    import csv
+
+    from aniso_plugins.offline import cli
+    from aniso_plugins.offline.under_trained import CANDIDATES
+
+    root, _, _ = checkpoint
+    tok = _tokenizer(_text())
+    tok.add_tokens(ODD_TOKENS)
+    odd = tok.convert_tokens_to_ids(ODD_TOKENS)
+    w = _planted_checkpoint(tmp_path / "m", tok, list(range(40, 117)) + odd)
+    reference = np.arange(len(w)) >= len(tok)
+    score = ref_scores(w, reference)
+    expected = {int(i) for i in np.nonzero((score >= 0.5) & ~reference)[0]}  # numpy, independent of the package
+    assert len(expected) >= 80 > CANDIDATES and set(odd) <= expected
+    out = tmp_path / "r"
+    args = ["report", str(tmp_path / "m"), str(tmp_path / "m"), "--text-file", str(root / "text.txt"), "--max-tokens", "300",
+            "--out", str(out), "--quiet", "--no-plots"]
+    assert cli.main(args) == 0
+    with (out / "under_trained.csv").open(newline="", encoding="utf-8") as f:
+        header, *rows = list(csv.reader(f))
+    assert header == ["model", "id", "token", "category", "score", "norm", "repeat_probability", "verified"]
+    report = json.loads((out / "report.json").read_text())
+    md = (out / "report.md").read_text()
+    for m in report["models"]:
+        u = m["under_trained"]
+        mine = [r for r in rows if r[0] == m["name"]]
+        ids = [int(r[1]) for r in mine]
+        assert len(ids) == len(set(ids)) == u["suspected"] == len(expected) and set(ids) == expected
+        scores = [float(r[4]) for r in mine]
+        assert scores == sorted(scores, reverse=True)
+        np.testing.assert_allclose(scores, score[ids], atol=1e-6)
+        assert [r[2] for r in mine] == [tok.convert_ids_to_tokens(i) for i in ids]  # quoting round-trips
+        assert u["csv"] == "under_trained.csv" and len(u["candidates"]) == CANDIDATES
+        assert [c["id"] for c in u["candidates"]] == ids[:CANDIDATES]
+        assert [float(r[6]) for r in mine[:CANDIDATES]] == pytest.approx([c["repeat_probability"] for c in u["candidates"]])
+        assert all(r[6] == r[7] == "" for r in mine[CANDIDATES:])  # the repeat test runs on the listed ones
+    assert [m["name"] for m in report["models"]] == ["m", "m (2)"] and len(rows) == 2 * len(expected)
+    assert {r[2] for r in rows} >= set(ODD_TOKENS)
+    assert "[under_trained.csv](under_trained.csv)" in md and f"{len(expected):,}" in md
+    assert cli.main(args) == 0  # a report folder with its csv is replaced as a whole
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "under_trained.csv"]

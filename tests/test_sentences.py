@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from aniso_plugins.offline import report as report_mod  # noqa: E402
-from test_report import ref_mean_cosine, zoo  # noqa: E402,F401  (zoo: the tiny models fixture)
+from test_report import MAX_TOKENS, ref_mean_cosine, run_cli, zoo  # noqa: E402,F401  (zoo: the tiny models fixture)
 
 
 def ref_embeddings(folder, lines: list[str], pooling: str = "mean") -> np.ndarray:
@@ -38,7 +38,8 @@ def _lines(zoo) -> list[str]:
 
 def test_the_report_measures_an_encoders_sentence_embeddings_before_and_after(zoo, tmp_path):
     text = "\n".join(_lines(zoo)[:300])
-    rep = report_mod.analyze([str(zoo / "mlm")], text=text, progress=False, postprocess=["whitening"], max_tokens=2000)
+    rep = report_mod.analyze([str(zoo / "mlm")], report_mod.TextOptions(text=text, max_tokens=2000), progress=False,
+                             postprocess=["whitening"])
     s = rep.models[0]["sentences"]
     assert s["pooling"] == "mean" and s["sentences"] == 300
     x = ref_embeddings(zoo / "mlm", _lines(zoo)[:300])
@@ -46,6 +47,29 @@ def test_the_report_measures_an_encoders_sentence_embeddings_before_and_after(zo
     assert s["geometry"]["postprocessed"]["whitening"]["isoscore"] == pytest.approx(1.0, abs=1e-6)
     md = rep.to_markdown()
     assert "## Sentence embeddings" in md and "### Sentence embeddings after whitening" in md
+
+
+def test_a_text_on_one_line_keeps_the_token_report_and_skips_the_sentences_with_a_note(zoo, tmp_path):
+    """A text dump without newlines is one sentence: the token-level report is written, the
+    sentence embeddings are skipped with the reason in report.json, report.md and on stderr;
+    `aniso postprocess`, which has nothing to fit without sentences, still refuses it."""
+    (tmp_path / "one_line.txt").write_text(" ".join(_lines(zoo)), encoding="utf-8")
+    out = tmp_path / "r"
+    p = run_cli(zoo / "mlm", "--text-file", tmp_path / "one_line.txt", "--max-tokens", MAX_TOKENS, "--out", out, "--quiet",
+                "--no-plots")
+    assert p.returncode == 0, p.stderr
+    (entry,) = json.loads((out / "report.json").read_text())["models"]
+    assert entry["kind"] == "masked-lm" and entry["text"]["tokens"] > 0 and len(entry["text"]["hidden_mean_cosine"]) >= 2
+    assert entry["matrices"]["embedding"]["raw"]["mean_cosine"] is not None and "suspected" in entry["under_trained"]
+    reason = entry["sentences"]["skipped"]
+    assert set(entry["sentences"]) == {"skipped"} and "1 non-empty line" in reason and "at least 2" in reason
+    assert p.stderr.strip().splitlines() == [f"aniso report: warning: mlm: sentence embeddings skipped: {reason}"]
+    md = (out / "report.md").read_text()
+    assert "## Sentence embeddings" in md and reason in md
+    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "postprocess", str(zoo / "mlm"), "--text-file",
+                        str(tmp_path / "one_line.txt"), "--transform", "whitening", "--out", str(tmp_path / "w")],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "1 non-empty line" in p.stderr and not (tmp_path / "w").exists(), p.stderr
 
 
 def test_aniso_postprocess_fits_saves_and_the_saved_whitening_whitens(zoo, tmp_path):

@@ -5,13 +5,16 @@ one line): every argument and the output location checked before any work, then 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.output import check_output_dir
 from aniso_plugins.offline.render import require_matplotlib
-from aniso_plugins.offline.report import analyze, check_counts
+from aniso_plugins.offline.report import MatrixOptions, TextOptions, analyze, check_counts
 from aniso_plugins.offline.sentences import fit_sentence_transform
 
 
@@ -29,13 +32,28 @@ def check_report_args(a: argparse.Namespace) -> None:
             raise ReportError(f"MODEL {model}: no such file or directory")
 
 
+@contextlib.contextmanager
+def warnings_on_stderr(command: str) -> Iterator[None]:
+    """While the block runs, the package's logged warnings (e.g. a report section skipped) are
+    ``aniso COMMAND: warning: ...`` lines on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter(f"aniso {command}: warning: %(message)s"))
+    package = logging.getLogger("aniso_plugins")
+    package.addHandler(handler)
+    try:
+        yield
+    finally:
+        package.removeHandler(handler)
+
+
 def report(a: argparse.Namespace) -> int:
     check_report_args(a)
     post = [x for x in (a.postprocess or "").split(",") if x.strip()]
-    report = analyze(
-        a.models, text_file=a.text_file, max_tokens=a.max_tokens, postprocess=post, tensor=a.tensor,
-        progress=not a.quiet, gram_rows=a.gram_rows, counts_file=a.counts_file, embedding=a.embedding, head=a.head,
-    )
+    text = TextOptions(text_file=a.text_file, max_tokens=a.max_tokens, counts_file=a.counts_file)
+    matrices = MatrixOptions(tensor=a.tensor, embedding=a.embedding, head=a.head, gram_rows=a.gram_rows)
+    with warnings_on_stderr("report"):
+        report = analyze(a.models, text, matrices, post, progress=not a.quiet)
     for m in report.models:
         if m.get("text", {}).get("warning"):
             print(f"aniso report: warning: {m['name']}: {m['text']['warning']}", file=sys.stderr)
@@ -61,4 +79,4 @@ def postprocess(a: argparse.Namespace) -> int:
 COMMANDS = {"report": report, "postprocess": postprocess}
 """Subcommand -> its function (argparse namespace -> exit code)."""
 
-__all__ = ["COMMANDS", "check_report_args", "postprocess", "report"]
+__all__ = ["COMMANDS", "check_report_args", "postprocess", "report", "warnings_on_stderr"]

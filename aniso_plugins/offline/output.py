@@ -13,11 +13,14 @@ from pathlib import Path
 from aniso_plugins.offline.errors import ReportError
 
 REPORT_FILES = ("report.json", "report.md")
-"""A folder holding only these and PNGs is a report folder that a new report may replace."""
+"""A folder holding one of these, and only them, `UNDER_TRAINED_CSV` and PNGs, is a report
+folder that a new report may replace."""
+UNDER_TRAINED_CSV = "under_trained.csv"
+"""The report's file of every suspected under-trained token (`aniso_plugins.offline.under_trained`)."""
 
 
 def _is_report_folder(path: Path) -> bool:
-    return all(p.name in REPORT_FILES or p.suffix == ".png" for p in path.iterdir()) and any(
+    return all(p.name in (*REPORT_FILES, UNDER_TRAINED_CSV) or p.suffix == ".png" for p in path.iterdir()) and any(
         (path / f).exists() for f in REPORT_FILES
     )
 
@@ -62,4 +65,4 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-__all__ = ["REPORT_FILES", "atomic_directory", "check_output_dir"]
+__all__ = ["REPORT_FILES", "UNDER_TRAINED_CSV", "atomic_directory", "check_output_dir"]

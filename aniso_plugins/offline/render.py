@@ -122,14 +122,18 @@ def _geometry_table(columns: list[tuple[str, dict]]) -> str:
 
 
 def _sentences_markdown(report: Report) -> list[str]:
-    """The geometry of the pooled sentence embeddings, raw and after each post-processing."""
-    with_s = [m for m in report.models if "sentences" in m]
+    """The geometry of the pooled sentence embeddings, raw and after each post-processing, and
+    a note for each model whose sentences were skipped."""
+    skipped = [f"> **{m['name']}**: sentence embeddings skipped: {m['sentences']['skipped']}"
+               for m in report.models if "skipped" in m.get("sentences", {})]
+    with_s = [m for m in report.models if "geometry" in m.get("sentences", {})]
     if not with_s:
-        return []
+        return ["## Sentence embeddings", "", *skipped, ""] if skipped else []
     cols = [(f"{m['name']} · {m['sentences']['pooling']} pooling", m["sentences"]["geometry"]) for m in with_s]
     md = ["## Sentence embeddings", "", "The encoder's pooled vectors of the text's non-empty lines "
           f"({', '.join(str(m['sentences']['sentences']) for m in with_s)} sentences): the space that "
-          "sentence-embedding post-processing (whitening, all-but-the-top) is for.", "", _geometry_table(cols), ""]
+          "sentence-embedding post-processing (whitening, all-but-the-top) is for.", "", _geometry_table(cols), "",
+          *([*skipped, ""] if skipped else [])]
     for pname in report.settings.get("postprocess") or []:
         post = [(c, g["postprocessed"][pname]) for c, g in cols if pname in g.get("postprocessed", {})]
         md += [f"### Sentence embeddings after {pname}", "", _geometry_table(post), ""]
@@ -150,7 +154,8 @@ def _under_trained_markdown(report: Report) -> list[str]:
         sources = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref["from"].items() if v) or "none known"
         md += [f"### {m['name']}", "", f"Indicator: {u['indicator']}. Reference tokens (known unused): {ref['size']:,} "
                f"({sources}). Suspected (score ≥ {u['threshold']}): {_fmt(u['suspected'])}"
-               + ("" if u.get("verified") is None else f"; verified by the repeat test among the listed: {u['verified']}") + ".", ""]
+               + ("" if u.get("verified") is None else f"; verified by the repeat test among the listed: {u['verified']}") + "."
+               + (f" All {u['suspected']:,} suspected, most suspect first: [{u['csv']}]({u['csv']})." if u.get("csv") else ""), ""]
         verified = any("repeat_probability" in c for c in u["candidates"])
         header = ["id", "token", "category", "score", "input norm"] + (["p(repeat)"] if verified else [])
         rows = [[str(c["id"]), f"`{c['token']!s}`".replace("|", "\\|"), c["category"], _fmt(c["score"]), _fmt(c["norm"])]

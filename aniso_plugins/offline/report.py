@@ -1,10 +1,10 @@
 """`aniso report`: the geometry of a model's embeddings as one JSON file, one Markdown table and
-a few plots (docs/report.md). This module is the public entry (`analyze`, `write_report`,
-`Report`, `ReportError`); the work is done by
+a few plots (docs/report.md). This module is the public entry (`analyze` with its `TextOptions`
+and `MatrixOptions`, `write_report`, `Report`, `ReportError`); the work is done by
 
 - `aniso_plugins.offline.sources`: the inputs (`load_model`, `MatrixSource`): a local Hugging
   Face model directory (causal LM, masked LM, encoder-decoder or bare encoder; loaded offline),
-  a safetensors file (its embedding-like 2-D tensors, or ``tensor=NAME``), or an in-memory
+  a safetensors file (its embedding-like 2-D tensors, or ``MatrixOptions(tensor=NAME)``), or an in-memory
   ``nn.Module`` / 2-D tensor (`write_report`), read in row blocks;
 - `aniso_plugins.offline.analysis`: the geometry of each matrix (`matrix_geometry`): the two
   rounds of the training plugin (`aniso_plugins.metrics.geometry.rounds`) summed over row
@@ -40,7 +40,7 @@ from aniso_plugins.offline.analysis import (
 )
 from aniso_plugins.offline.errors import ReportError, one_line
 from aniso_plugins.offline.text_file import read_text
-from aniso_plugins.offline.output import atomic_directory
+from aniso_plugins.offline.output import UNDER_TRAINED_CSV, atomic_directory
 from aniso_plugins.offline.postprocess import make_transform
 from aniso_plugins.offline.render import (
     PROJECTION_POINTS,
@@ -50,7 +50,7 @@ from aniso_plugins.offline.render import (
 )
 from aniso_plugins.offline.sentences import sentence_entry
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
-from aniso_plugins.offline.under_trained import find_under_trained
+from aniso_plugins.offline.under_trained import find_under_trained, write_suspects_csv
 from aniso_plugins.offline.text_pass import (
     sequence_length,
     text_blocks,
@@ -97,7 +97,8 @@ class Report:
         return render_plots(self, Path(directory))
 
     def write(self, directory: str | os.PathLike, plots: bool = True) -> list[str]:
-        """report.json, report.md and (with `plots`) the PNGs into `directory`, atomically
+        """report.json, report.md, under_trained.csv (every suspected under-trained token, when
+        a model has reference tokens) and (with `plots`) the PNGs into `directory`, atomically
         (`atomic_directory`: an earlier report there is replaced whole, an interrupted write
         leaves none); returns the paths."""
         if plots:
@@ -105,7 +106,10 @@ class Report:
         with atomic_directory(directory) as tmp:
             (tmp / "report.json").write_text(self.to_json() + "\n")
             (tmp / "report.md").write_text(self.to_markdown())
-            names = ["report.json", "report.md"] + ([Path(p).name for p in self.plot(tmp)] if plots else [])
+            names = ["report.json", "report.md"]
+            if write_suspects_csv(self.models, tmp / UNDER_TRAINED_CSV):
+                names.append(UNDER_TRAINED_CSV)
+            names += [Path(p).name for p in self.plot(tmp)] if plots else []
         return [str(Path(directory) / n) for n in names]
 
 
@@ -125,6 +129,46 @@ def _progress_factory(enabled: bool):
 
 
 # --- analyze ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TextOptions:
+    """The text `analyze` runs through each model, and how (the default: no text, matrices only)."""
+
+    text_file: str | os.PathLike | None = None
+    """A UTF-8 corpus for the frequency groups, per-group perplexity and Uniq, the per-layer
+    hidden-state anisotropy, the bottleneck probe and an encoder's sentence embeddings."""
+    text: str | None = None
+    """The corpus as a string, instead of `text_file`."""
+    tokenizer: Any = None
+    """The tokenizer of models without their own (in-memory models); a model folder's is used otherwise."""
+    max_tokens: int = 100_000
+    """Tokens of the text used, at most."""
+    batch_size: int = 8
+    """Sequences per batch of the text pass."""
+    hidden_samples: int = 1000
+    """Token occurrences sampled per block for the hidden-state anisotropy."""
+    counts_file: str | os.PathLike | None = None
+    """A text (e.g. the training text) whose token counts define the rare / medium / frequent
+    groups instead of the text's own; needs a text."""
+    max_count_tokens: int = 10_000_000
+    """Tokens of `counts_file` counted, at most."""
+
+
+@dataclass(frozen=True)
+class MatrixOptions:
+    """Which matrices `analyze` reads, and how their Gram-based metrics are computed."""
+
+    tensor: str | Sequence[str] | None = None
+    """The safetensors tensor name(s) to read (default: the embedding-like 2-D tensors)."""
+    embedding: str | None = None
+    """The input embedding's parameter name in a Lightning ``.ckpt`` or a DCP checkpoint (found by name otherwise)."""
+    head: str | None = None
+    """The LM head's parameter name in a Lightning ``.ckpt`` or a DCP checkpoint (found by name otherwise)."""
+    gram_rows: int | None = None
+    """Rows sampled for the Gram-based metrics (None: exact unless the Gram costs more than `gram_flops`)."""
+    gram_flops: float = GRAM_FLOPS
+    """The flops of one exact Gram pass above which its rows are sampled."""
+
+
 def check_counts(*, max_tokens: int, gram_rows: int | None) -> None:
     """`ReportError` for ``max_tokens`` < 2 or ``gram_rows`` < 2 (None means: exact unless large)."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
@@ -133,16 +177,24 @@ def check_counts(*, max_tokens: int, gram_rows: int | None) -> None:
         raise ReportError(f"--gram-rows {gram_rows}: need an integer >= 2 (leave it out for the exact Gram)")
 
 
-def _texts(text_file, text: str | None, counts_file) -> tuple[str | None, str | None]:
+def _check_options(text: Any, matrices: Any) -> None:
+    """`TypeError` for an option group that is not its dataclass (e.g. a path where the
+    `TextOptions` go, as `analyze`'s second argument was the text file)."""
+    for value, cls, name, example in ((text, TextOptions, "text", "text_file=..."),
+                                      (matrices, MatrixOptions, "matrices", "tensor=...")):
+        if not isinstance(value, cls):
+            raise TypeError(f"analyze({name}={value!r}): expected a {cls.__name__}, e.g. {name}={cls.__name__}({example})")
+
+
+def _texts(text: TextOptions) -> tuple[str | None, str | None]:
     """The evaluated text (`text_file` or `text`) and the counts text (`counts_file`)."""
-    if text_file is not None:
-        text = read_text(text_file, "text file")
+    corpus = read_text(text.text_file, "text file") if text.text_file is not None else text.text
     count_text = None
-    if counts_file is not None:
-        if text is None:
+    if text.counts_file is not None:
+        if corpus is None:
             raise ReportError("--counts-file needs --text-file (the groups are used for the text's metrics)")
-        count_text = read_text(counts_file, "counts file")
-    return text, count_text
+        count_text = read_text(text.counts_file, "counts file")
+    return corpus, count_text
 
 
 def _transforms(postprocess: Sequence[str | Any]) -> list[tuple[str, Any]]:
@@ -176,22 +228,24 @@ def _check_text_source(lm: LoadedModel, text: str | None, tokenizer: Any) -> Non
         lm.tokenizer = tokenizer
 
 
-def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, transforms, *, max_tokens: int,
-                 max_count_tokens: int, gram_rows: int | None, gram_flops: float, batch_size: int,
-                 hidden_samples: int, bar) -> dict[str, Any]:
-    """One model's part of the report: every matrix's geometry and, with a text, the text pass."""
+def _model_entry(lm: LoadedModel, corpus: str | None, count_text: str | None, transforms, text: TextOptions,
+                 matrices: MatrixOptions, bar) -> dict[str, Any]:
+    """One model's part of the report: every matrix's geometry and, with a text (`corpus`), the
+    text pass and an encoder's sentence embeddings."""
+    def geometry(source: MatrixSource) -> dict[str, Any]:
+        return source_geometry(source, transforms, gram_rows=matrices.gram_rows, gram_flops=matrices.gram_flops,
+                               progress=bar, block_rows=BLOCK_ROWS)
+
     entry: dict[str, Any] = {"name": lm.name, "path": lm.path, "kind": lm.kind, "tied": lm.tied, "matrices": {}}
-    ids = tokens(lm, text, max_tokens) if text is not None else None
-    count_ids = tokens(lm, count_text, max_count_tokens) if count_text is not None else None
+    ids = tokens(lm, corpus, text.max_tokens) if corpus is not None else None
+    count_ids = tokens(lm, count_text, text.max_count_tokens) if count_text is not None else None
     for key, source in lm.matrices.items():
-        entry["matrices"][key] = source_geometry(source, transforms, gram_rows=gram_rows, gram_flops=gram_flops,
-                                                 progress=bar, block_rows=BLOCK_ROWS)
+        entry["matrices"][key] = geometry(source)
     if ids is not None:
-        entry["text"] = text_pass(lm, ids, batch_size=batch_size, hidden_samples=hidden_samples, progress=bar,
+        entry["text"] = text_pass(lm, ids, batch_size=text.batch_size, hidden_samples=text.hidden_samples, progress=bar,
                                   count_ids=count_ids)
-    if text is not None and lm.kind in SENTENCE_KINDS:
-        entry["sentences"] = sentence_entry(lm, text, lambda src: source_geometry(
-            src, transforms, gram_rows=gram_rows, gram_flops=gram_flops, progress=bar, block_rows=BLOCK_ROWS))
+    if corpus is not None and lm.kind in SENTENCE_KINDS:
+        entry["sentences"] = sentence_entry(lm, corpus, geometry)
     if {"embedding", "head"} & set(lm.matrices):
         vocab = next(iter(lm.matrices.values())).shape[0]
         counts = None if count_ids is None else torch.bincount(count_ids.reshape(-1), minlength=vocab)
@@ -205,61 +259,46 @@ def _model_entry(lm: LoadedModel, text: str | None, count_text: str | None, tran
 
 def analyze(
     models: Sequence[str | os.PathLike | nn.Module | torch.Tensor] | str | os.PathLike | nn.Module,
-    text_file: str | os.PathLike | None = None,
-    max_tokens: int = 100_000,
+    text: TextOptions = TextOptions(),
+    matrices: MatrixOptions = MatrixOptions(),
     postprocess: Sequence[str | Any] = (),
-    tensor: str | Sequence[str] | None = None,
-    progress: bool = True,
     *,
-    text: str | None = None,
-    tokenizer: Any = None,
     names: Sequence[str] | None = None,
-    gram_rows: int | None = None,
-    gram_flops: float = GRAM_FLOPS,
-    batch_size: int = 8,
-    hidden_samples: int = 1000,
-    counts_file: str | os.PathLike | None = None,
-    max_count_tokens: int = 10_000_000,
-    embedding: str | None = None,
-    head: str | None = None,
+    progress: bool = True,
 ) -> Report:
     """Analyse one or several models (paths, modules or tensors) into one side-by-side `Report`.
 
-    text_file / text: a corpus for the frequency groups, per-group perplexity and Uniq, the
-    per-layer hidden-state anisotropy and the bottleneck probe (tokenized with the model dir's
-    tokenizer, or `tokenizer` for in-memory models); max_tokens caps it. postprocess: names
-    ("centering", "whitening", "zca", "all_but_the_top") or transform objects with
-    ``fit``/``transform``. tensor: the safetensors tensor name(s) to read. counts_file: a text
-    (e.g. the training text) whose token counts define the rare / medium / frequent groups
-    instead of the text's own (its first `max_count_tokens` tokens). embedding / head: the
-    parameter names of the input embedding and the LM head in a Lightning ``.ckpt`` or a DCP
-    checkpoint (found by name otherwise). Raises `ReportError` on bad input."""
+    text: the corpus run through each model (`TextOptions`; none by default). matrices: which
+    matrices are read and how their Gram is computed (`MatrixOptions`). postprocess: names
+    ("centering", "whitening", "zca", "all_but_the_top", "rotation", "hadamard") or transform
+    objects with ``fit``/``transform``. names: the models' column names (default: from their
+    paths). progress: a tqdm bar on stderr. Raises `ReportError` on bad input."""
+    _check_options(text, matrices)
     if isinstance(models, (str, os.PathLike, nn.Module, torch.Tensor)):
         models = [models]
     if not models:
         raise ReportError("no MODEL given")
+    tensor = matrices.tensor
     tensors = [tensor] if isinstance(tensor, str) else (list(tensor) if tensor else None)
-    text, count_text = _texts(text_file, text, counts_file)
-    check_counts(max_tokens=max_tokens, gram_rows=gram_rows)
+    corpus, count_text = _texts(text)
+    check_counts(max_tokens=text.max_tokens, gram_rows=matrices.gram_rows)
     bar = _progress_factory(progress)
     transforms = _transforms(postprocess)
     loaded = [
-        load_model(m, tensor=tensors, need_model=text is not None, name=(names[i] if names and i < len(names) else None),
-                   embedding=embedding, head=head)
+        load_model(m, tensor=tensors, need_model=corpus is not None, name=(names[i] if names and i < len(names) else None),
+                   embedding=matrices.embedding, head=matrices.head)
         for i, m in enumerate(models)
     ]
     _unique_names(loaded)
     out = []
     for lm in loaded:
-        _check_text_source(lm, text, tokenizer)
-        out.append(_model_entry(lm, text, count_text, transforms, max_tokens=max_tokens, max_count_tokens=max_count_tokens,
-                                gram_rows=gram_rows, gram_flops=gram_flops, batch_size=batch_size,
-                                hidden_samples=hidden_samples, bar=bar))
+        _check_text_source(lm, corpus, text.tokenizer)
+        out.append(_model_entry(lm, corpus, count_text, transforms, text, matrices, bar))
     settings = {
-        "text_file": None if text_file is None else str(text_file),
-        "counts_file": None if counts_file is None else str(counts_file),
-        "max_tokens": max_tokens, "postprocess": [n for n, _ in transforms], "tensor": tensors,
-        "gram_flops": gram_flops, "gram_rows": gram_rows,
+        "text_file": None if text.text_file is None else str(text.text_file),
+        "counts_file": None if text.counts_file is None else str(text.counts_file),
+        "max_tokens": text.max_tokens, "postprocess": [n for n, _ in transforms], "tensor": tensors,
+        "gram_flops": matrices.gram_flops, "gram_rows": matrices.gram_rows,
     }
     return Report(out, settings)
 
@@ -282,10 +321,8 @@ def write_report(
     JSON and Markdown). `text` + `tokenizer` (or the model dir's tokenizer with `text_file`)
     add the text-based parts. Returns the written paths. The model's mode and weights are left
     as they were."""
-    report = analyze(
-        [model], text_file=text_file, text=text, tokenizer=tokenizer, max_tokens=max_tokens,
-        postprocess=postprocess, progress=progress, names=[name] if name else None,
-    )
+    options = TextOptions(text_file=text_file, text=text, tokenizer=tokenizer, max_tokens=max_tokens)
+    report = analyze([model], options, postprocess=postprocess, progress=progress, names=[name] if name else None)
     if plots:
         try:
             require_matplotlib()
@@ -301,9 +338,11 @@ __all__ = [
     "HIST_ROWS",
     "PROJECTION_POINTS",
     "LoadedModel",
+    "MatrixOptions",
     "MatrixSource",
     "Report",
     "ReportError",
+    "TextOptions",
     "analyze",
     "load_model",
     "matrix_geometry",

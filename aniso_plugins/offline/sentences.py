@@ -3,13 +3,16 @@ all-but-the-top, Mu & Viswanath 2018): an encoder's pooled vectors of one text's
 geometry before and after each transform (``models[i].sentences`` of the report), and the
 fitted transform saved for reuse (``aniso postprocess``).
 
-Sentences are the text's non-empty lines. Pooling is the model's sentence-transformers pooling
-when its folder has one (``modules.json`` → the Pooling module's ``config.json``: mean or CLS),
-else the mean over the tokens (`aniso_plugins.methods.simcse.contrastive.pool`)."""
+Sentences are the text's non-empty lines (at least `MIN_SENTENCES`: with fewer, e.g. a text on
+one line, the report skips its section with a note and ``aniso postprocess`` refuses). Pooling is
+the model's sentence-transformers pooling when its folder has one (``modules.json`` → the Pooling
+module's ``config.json``: mean or CLS), else the mean over the tokens
+(`aniso_plugins.methods.simcse.contrastive.pool`)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +28,14 @@ from aniso_plugins.offline.postprocess import make_transform
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource, load_model
 from aniso_plugins.offline.text_file import read_text
 
+MIN_SENTENCES = 2
+"""Sentences a text needs for their geometry (and a transform fitted on them)."""
 MAX_SENTENCES = 10_000
 """Sentences embedded per text at most."""
 MAX_LENGTH = 128
 """Tokens per sentence at most (the rest is cut; fewer where the model has fewer positions)."""
+
+logger = logging.getLogger(__name__)
 
 
 def sentences_of(text: str, limit: int = MAX_SENTENCES) -> list[str]:
@@ -51,13 +58,21 @@ def model_pooling(path: str | Path) -> str:
     return "mean"
 
 
+def too_few_sentences(sentences: list[str]) -> str | None:
+    """Why `sentences` are too few to measure (fewer than `MIN_SENTENCES`), or None."""
+    if len(sentences) >= MIN_SENTENCES:
+        return None
+    return (f"the text gives {len(sentences)} non-empty line(s); sentence embeddings need at least {MIN_SENTENCES} "
+            "(one sentence per line)")
+
+
 def sentence_embeddings(loaded: LoadedModel, sentences: list[str], pooling: str, batch: int = 32) -> torch.Tensor:
     """(N, d) float32 pooled last hidden states of `sentences` (the encoder's for an
     encoder-decoder), in eval mode without gradients."""
     if loaded.model is None or loaded.tokenizer is None:
         raise ReportError(f"sentence embeddings need a model folder with its tokenizer; {loaded.path} has none")
-    if len(sentences) < 2:
-        raise ReportError(f"the text gives {len(sentences)} non-empty line(s); sentence embeddings need at least 2")
+    if (reason := too_few_sentences(sentences)) is not None:
+        raise ReportError(reason)
     model, tok = loaded.model, loaded.tokenizer
     seq2seq = getattr(model.config, "is_encoder_decoder", False)
     encoder = model.get_encoder() if seq2seq else getattr(model, "base_model", model)
@@ -84,9 +99,15 @@ def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sentence_entry(loaded: LoadedModel, text: str, geometry: Any) -> dict[str, Any]:
     """``models[i].sentences``: the pooling, the number of sentences and ``geometry(source)`` of
-    their (N, d) embeddings (the report's matrix geometry, post-processing included)."""
+    their (N, d) embeddings (the report's matrix geometry, post-processing included). A text of
+    fewer than `MIN_SENTENCES` lines (e.g. a dump on one line) gives ``{"skipped": reason}`` and
+    a logged warning instead: the rest of the report does not need its sentences."""
+    sentences = sentences_of(text)
+    if (reason := too_few_sentences(sentences)) is not None:
+        logger.warning("%s: sentence embeddings skipped: %s", loaded.name, reason)
+        return {"skipped": reason}
     pooling = model_pooling(loaded.path)
-    x = sentence_embeddings(loaded, sentences_of(text), pooling)
+    x = sentence_embeddings(loaded, sentences, pooling)
     return {"pooling": pooling, "sentences": int(x.shape[0]), "geometry": geometry(MatrixSource.of_tensor("sentences", x))}
 
 
@@ -177,10 +198,12 @@ def _summary(x: torch.Tensor) -> dict[str, float]:
 __all__ = [
     "MAX_LENGTH",
     "MAX_SENTENCES",
+    "MIN_SENTENCES",
     "centered_head_checkpoint",
     "fit_sentence_transform",
     "model_pooling",
     "sentence_embeddings",
     "sentence_entry",
     "sentences_of",
+    "too_few_sentences",
 ]

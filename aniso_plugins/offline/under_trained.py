@@ -8,12 +8,17 @@ whose string names them unused or reserved ("[unused3]", "<|reserved_special_tok
 with a counts text (``--counts-file``, e.g. the training text), the ids it never contains. With
 no reference the candidates are ranked by the input embedding's row norm instead (lowest first:
 rows that no gradient reached keep their small initial norm, the indicator for encoders).
+
+report.json lists the `CANDIDATES` most suspect tokens; every suspected one (score ≥ `THRESHOLD`)
+goes to ``under_trained.csv`` in the report folder (`write_suspects_csv`).
 """
 
 from __future__ import annotations
 
+import csv
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +27,7 @@ from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
 from aniso_plugins.metrics.under_trained.indicator import directions, reference_stats, scores
 from aniso_plugins.numerics.reduce import stat_values, sum_over_blocks
 from aniso_plugins.offline.analysis import GRAM_FLOPS
+from aniso_plugins.offline.output import UNDER_TRAINED_CSV
 from aniso_plugins.offline.sources import LoadedModel, MatrixSource
 
 THRESHOLD = 0.5
@@ -31,6 +37,8 @@ CANDIDATES = 50
 REPEAT_PROBABILITY = 0.01
 """Verified under-trained: the model gives the token less than this probability when asked to
 repeat it (Land & Bartolo's verification threshold)."""
+CSV_COLUMNS = ("model", "id", "token", "category", "score", "norm", "repeat_probability", "verified")
+"""The columns of ``under_trained.csv``: one row per suspected token (`write_suspects_csv`)."""
 _RESERVED = re.compile(r"unused|reserved", re.IGNORECASE)
 
 
@@ -115,13 +123,24 @@ def repeat_probabilities(loaded: LoadedModel, ids: list[int], batch: int = 32) -
     return out
 
 
+def _rows(ids: list[int], strings: list[str | None], score: torch.Tensor, norms: torch.Tensor, special: set[int],
+          listed: bool) -> dict[int, dict[str, Any]]:
+    """id -> ``{"id", "token", "category", "score", "norm"}`` of each of `ids`."""
+    scores, norm = score.tolist(), norms.tolist()
+    return {i: {"id": i, "token": strings[i], "category": _category(strings[i], i, special, listed),
+                "score": float(scores[i]), "norm": float(norm[i]) if i < len(norm) else math.nan} for i in ids}
+
+
 def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None,
                        norms: torch.Tensor | None = None) -> dict[str, Any]:
     """``models[i].under_trained`` of the report: the indicator used, R's size by source, the
     number suspected (score ≥ `THRESHOLD` outside R), counts by category and the `CANDIDATES`
     most suspect tokens outside R (``id``, ``token``, ``category``, ``score``, ``norm`` and,
-    when verified, ``repeat_probability`` and ``verified``). `norms`: the input embedding's row
-    norms when the caller has them (the report's geometry pass), else read here."""
+    when verified, ``repeat_probability`` and ``verified``); ``_suspects``: the rows of every
+    suspected token, most suspect first, and ``csv`` the file that lists them in the report
+    folder (`write_suspects_csv`; None without a reference, when nothing can be suspected).
+    `norms`: the input embedding's row norms when the caller has them (the report's geometry
+    pass), else read here."""
     matrix = loaded.matrices.get("head") or loaded.matrices["embedding"]
     listed = _token_strings(loaded.tokenizer, matrix.shape[0])
     reference, sources = reference_mask(listed, matrix.shape[0], counts)
@@ -136,10 +155,12 @@ def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None,
     else:
         indicator, suspected = "input-embedding row norm, lowest first (no reference tokens known)", None
         score = -(norms - norms[outside].mean()) / norms[outside].std().clamp_min(1e-12) if outside.sum() > 1 else -norms
-    order = [i for i in torch.argsort(score, descending=True).tolist() if outside[i]][:CANDIDATES]
+    ranked = torch.argsort(score, descending=True)
+    order = ranked[outside[ranked]].tolist()
+    suspect_ids = [] if suspected is None else ranked[outside[ranked] & (score[ranked] >= THRESHOLD)].tolist()
     special = set(getattr(loaded.tokenizer, "all_special_ids", []) or [])
-    candidates = [{"id": i, "token": strings[i], "category": _category(strings[i], i, special, listed is not None),
-                   "score": float(score[i]), "norm": float(norms[i]) if i < len(norms) else math.nan} for i in order]
+    rows = _rows(list(dict.fromkeys(order[:CANDIDATES] + suspect_ids)), strings, score, norms, special, listed is not None)
+    candidates = [rows[i] for i in order[:CANDIDATES]]
     if loaded.kind == "causal-lm" and loaded.model is not None and listed is not None and candidates:
         for c, p in zip(candidates, repeat_probabilities(loaded, [c["id"] for c in candidates])):
             c["repeat_probability"], c["verified"] = p, p < REPEAT_PROBABILITY
@@ -150,8 +171,35 @@ def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None,
         "indicator": indicator, "threshold": THRESHOLD, "reference": {"size": int(reference.sum()), "from": sources},
         "suspected": suspected, "verified": sum(bool(c.get("verified")) for c in candidates) if candidates and "verified" in candidates[0] else None,
         "candidates_by_category": by_category, "candidates": candidates,
+        "csv": None if suspected is None else UNDER_TRAINED_CSV, "_suspects": [rows[i] for i in suspect_ids],
         "_scores": score, "_reference": reference,
     }
 
 
-__all__ = ["CANDIDATES", "REPEAT_PROBABILITY", "THRESHOLD", "find_under_trained", "reference_mask", "repeat_probabilities"]
+def write_suspects_csv(models: list[dict[str, Any]], path: Path) -> bool:
+    """Every suspected under-trained token of the report's `models` (their ``_suspects``) into
+    the CSV file `path` (`CSV_COLUMNS`; the models in order, each most suspect first; the token
+    empty where the tokenizer cannot name it, the repeat test's columns empty where it did not
+    run). False, and no file, when no model has a reference to suspect against (its ``csv`` is None)."""
+    suspects = [(m["name"], m["under_trained"]["_suspects"]) for m in models if (m.get("under_trained") or {}).get("csv")]
+    if not suspects:
+        return False
+    with path.open("w", newline="", encoding="utf-8") as f:
+        out = csv.writer(f)
+        out.writerow(CSV_COLUMNS)
+        for name, rows in suspects:
+            out.writerows([name, r["id"], "" if r["token"] is None else r["token"], r["category"], r["score"], r["norm"],
+                           r.get("repeat_probability", ""), r.get("verified", "")] for r in rows)
+    return True
+
+
+__all__ = [
+    "CANDIDATES",
+    "CSV_COLUMNS",
+    "REPEAT_PROBABILITY",
+    "THRESHOLD",
+    "find_under_trained",
+    "reference_mask",
+    "repeat_probabilities",
+    "write_suspects_csv",
+]
