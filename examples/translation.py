@@ -33,10 +33,8 @@ the rare-frequent cosine. The table (mean ± std over seeds) is printed and writ
 the same command on the same ``--output-dir`` again skips the runs already there (``--fresh``
 starts over).
 
-Cost on 2 idle CPU cores: 185-204 s per run at the default 2000 steps of 64 pairs, test
-translations included (20 minutes for MLE and AGG x 3 seeds; several times that when the cores
-are shared); ``--quick`` takes about 15 s for both methods. docs/results.md §5 has the 3-seed
-table. Validation perplexity and Uniq are teacher-forced (`trainer.evaluate()`); only the
+docs/results.md §5 has the 3-seed table and the run times (``--quick`` is a short run of
+both methods). Validation perplexity and Uniq are teacher-forced (`trainer.evaluate()`); only the
 test translations are generated.
 """
 
