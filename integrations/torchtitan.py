@@ -111,12 +111,15 @@ class TitanModelHandle(ModelHandle):
     """`ModelHandle` for torchtitan decoders: ``lm_head``, ``tok_embeddings`` and the
     ``layers`` ModuleDict (in order). torchtitan's ``Module.parallelize`` sets the head's
     instance forward to its class forward between input and output redistributions, which
-    change nothing under data parallelism (the only layout this adapter accepts)."""
+    change no value under data parallelism and under tensor parallelism with the spmd_types
+    backend (input replicated to replicated, output vocabulary-sharded to vocabulary-sharded:
+    loss parallel). `vocab_mesh`: the ``tp`` mesh when tensor parallelism is on."""
 
     framework_wraps_head_forward = True
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, vocab_mesh=None) -> None:
         super().__init__(model, head="lm_head", input_embedding="tok_embeddings", blocks="layers")
+        self.vocab_mesh = vocab_mesh
 
     def blocks(self) -> list[nn.Module]:
         layers = getattr(self.model, "layers", None)
@@ -254,21 +257,46 @@ class AnisoCheckpointManager(CheckpointManager):
 
 
 # --- the connection between one trainer and one session ----------------------------------------
-def _data_parallel_degree(parallel_dims) -> int:
-    """Ranks over which torchtitan sums gradients, after refusing layouts the core cannot
-    reduce over (its statistics assume one data-parallel group spanning the world)."""
+@dataclass(frozen=True)
+class TitanLayout:
+    """What the session needs of torchtitan's parallel layout (`layout_of`).
+
+    data_parallel: ranks over which torchtitan sums each parameter's gradient (dp_replicate ×
+        dp_shard): a term identical on every rank is added with weight 1 / data_parallel;
+    batch_group: the ranks whose micro-batches are distinct parts of the global batch
+        (torchtitan's ``loss`` mesh: batch × cp), over which token counts reduce;
+    batch_copies: the ranks holding each micro-batch (the TP degree);
+    vocab_mesh: the ``tp`` mesh, whose ranks hold vocabulary shards of the head (None: no TP)."""
+
+    data_parallel: int
+    batch_group: Any
+    batch_copies: int
+    vocab_mesh: Any
+
+
+def layout_of(parallel_dims) -> TitanLayout:
+    """The `TitanLayout` of a run, after refusing the layouts the adapter cannot make exact
+    (each refusal names the layout and the way out)."""
     pd = parallel_dims
-    unsupported = {name: getattr(pd, name) for name in ("tp", "cp", "pp", "ep") if getattr(pd, name) > 1}
+    unsupported = {name: getattr(pd, name) for name in ("cp", "pp", "ep") if getattr(pd, name) > 1}
     if unsupported:
         raise SetupError(
-            f"aniso_plugins supports data parallelism only (FSDP2 dp_shard or dp_replicate); got {unsupported}"
+            f"aniso_plugins does not support {unsupported} yet (data parallelism over dp_replicate and dp_shard, "
+            "and tensor parallelism, are supported): set those degrees to 1"
         )
-    if pd.dp_replicate > 1 and pd.dp_shard > 1:
+    if pd.tp > 1 and pd.spmd_backend != "spmd_types":
         raise SetupError(
-            f"aniso_plugins does not support HSDP (dp_replicate={pd.dp_replicate} x dp_shard={pd.dp_shard}): "
-            "use one data-parallel dimension"
+            f"tensor parallelism with --parallelism.spmd_backend {pd.spmd_backend}: aniso_plugins computes the LM "
+            "head's loss on each rank's vocabulary shard as plain tensors, as torchtitan's default 'spmd_types' "
+            "backend gives them; use the default backend"
         )
-    return pd.dp_replicate * pd.dp_shard
+    batch = pd.get_optional_mesh("loss", include_singleton_axes=True)
+    return TitanLayout(
+        data_parallel=pd.dp_replicate * pd.dp_shard,
+        batch_group=None if batch is None else batch.get_group(),
+        batch_copies=pd.tp,
+        vocab_mesh=pd.get_optional_mesh("tp") if pd.tp > 1 else None,
+    )
 
 
 class AnisoRuntime:
@@ -308,16 +336,17 @@ class AnisoRuntime:
             )
         model = trainer.model_parts[0]
         session = TrainingSession(config)
-        dp = _data_parallel_degree(trainer.parallel_dims)
+        layout = layout_of(trainer.parallel_dims)
         self.trainer = trainer
         self.session = session
         # the loss can come from the head only where it is the plain cross-entropy the head computes
         plain = type(loss.loss_fn) is CrossEntropyLoss
         why_not = "" if plain else f"the inner loss is {type(loss.loss_fn).__name__}, not torchtitan's cross-entropy"
-        session.setup(TitanModelHandle(model), owns_loss=plain, why_not=why_not)
+        session.setup(TitanModelHandle(model, layout.vocab_mesh), owns_loss=plain, why_not=why_not)
         try:  # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
             session.begin_training(
-                start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps, loss_scale=1.0 / dp
+                start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps,
+                loss_scale=1.0 / layout.data_parallel, batch_group=layout.batch_group, batch_copies=layout.batch_copies,
             )
         except BaseException:
             session.detach()  # a run that cannot begin leaves the model as it was

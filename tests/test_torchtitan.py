@@ -114,7 +114,8 @@ def test_agg_head_on_torchtitan_linear_is_linear_unarmed_and_the_token_normalize
     assert torch.equal(head(h), F.linear(h, head.weight))  # one armed call only
 
 
-def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, dp_replicate=1, dp_shard=1, inner_loss=None):
+def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, pp=1, cp=1, backend="spmd_types", dp_replicate=1,
+                  dp_shard=1, inner_loss=None):
     from types import SimpleNamespace
 
     from aniso_plugins.integrations.torchtitan import AnisoChunkedLoss
@@ -129,7 +130,8 @@ def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, dp_replicate=1
         loss_fn=loss if loss is not None else _chunked_loss(inner_loss),
         config=SimpleNamespace(training=SimpleNamespace(disable_cuda_graphs=graphs_off)),
         model_parts=[model],
-        parallel_dims=SimpleNamespace(tp=tp, cp=1, pp=1, ep=1, dp_replicate=dp_replicate, dp_shard=dp_shard),
+        parallel_dims=SimpleNamespace(tp=tp, cp=cp, pp=pp, ep=1, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                      spmd_backend=backend, get_optional_mesh=lambda *a, **k: None),
         optimizers=SimpleNamespace(register_step_post_hook=lambda hook: None),
         metrics_processor=SimpleNamespace(),
     )
@@ -148,8 +150,9 @@ def _chunked_loss(inner: str | None):
     "trainer_kw, config_kw, error, match",
     [
         (dict(graphs_off=False), {}, SetupError, "disable_cuda_graphs"),
-        (dict(tp=2), {}, SetupError, "'tp': 2"),
-        (dict(dp_replicate=2, dp_shard=2), {}, SetupError, "HSDP"),
+        (dict(tp=2, backend="partial_dtensor"), {}, SetupError, "default 'spmd_types' backend"),
+        (dict(pp=2), {}, SetupError, "'pp': 2"),
+        (dict(cp=2), {}, SetupError, "'cp': 2"),
         ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
         ({}, dict(method="agg"), ConfigError, "--aniso.window"),

@@ -18,7 +18,7 @@ this launcher applies the three patches that make it run:
 The test recipes (`cpu_stock`, `cpu_aniso`) shrink llama3's debug model (2 layers) for speed;
 `cpu_aniso_6_layers` keeps its 6 layers (benchmarks/torchtitan_step.py).
 With ``ANISO_TT_DUMP=<file>`` the launcher also records, for the tests, the step-1 gradients,
-parameters, LM-head inputs and labels (before the optimizer step) and, after training, the
+parameters, LM-head inputs and labels (before the optimizer step), the step-2 gradients and, after training, the
 final parameters and the aniso plugin state (``torch.save`` of plain tensors, rank 0).
 """
 
@@ -197,10 +197,12 @@ def _install_recorder(path: str) -> None:
                 record["head_inputs"].append(args[0].detach().cpu().clone())
 
         def before_step(optimizer, args, kwargs):
+            named = list(model.named_parameters())
             if self.step == 1:
-                named = list(model.named_parameters())
                 record["params"] = {n: _full(p) for n, p in named}
-                record["grads"] = {n: _full(p.grad) for n, p in named if p.grad is not None}
+            if self.step in (1, 2):
+                key = "grads" if self.step == 1 else "grads_step2"
+                record[key] = {n: _full(p.grad) for n, p in named if p.grad is not None}
 
         model.lm_head.register_forward_pre_hook(head_input)
         self.optimizers.register_step_pre_hook(before_step)

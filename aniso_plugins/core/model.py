@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from aniso_plugins.core.errors import SetupError
+from aniso_plugins.numerics.distributed import VocabShard, vocab_shard_rows
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def _get(root: nn.Module, path: str) -> nn.Module:
@@ -80,6 +85,10 @@ class ModelHandle:
                 )
 
     framework_wraps_head_forward: bool = False
+    vocab_mesh: DeviceMesh | None = None
+    """The 1-D device mesh whose ranks each hold a contiguous vocabulary shard of the head's
+    weight inside its forward (tensor parallelism with loss parallel: a rank's logits are its
+    shard's, ``torch.chunk`` rows of the (V, d) weight); None: the forward sees all V rows."""
 
     def head(self) -> nn.Module:
         """The output projection module (owns ``weight``, shape (V, d))."""
@@ -89,6 +98,30 @@ class ModelHandle:
         """The (V, d) matrix the head multiplies by, for metrics: ``head().weight`` (a LoRA-adapted
         head's W + ΔW in `OutputEmbeddingsHandle`)."""
         return self.head().weight
+
+    def vocab_shard(self) -> VocabShard | None:
+        """This rank's vocabulary shard of the head inside its forward (`vocab_mesh`), or None."""
+        return None if self.vocab_mesh is None else VocabShard.of(self.vocab_mesh, self.vocab_size)
+
+    def head_weight_in_forward(self) -> torch.Tensor:
+        """``head().weight`` as the loss terms read it inside the head's forward: with
+        `vocab_mesh`, this rank's vocabulary shard as a ``Shard(0)`` DTensor of the (V, d)
+        weight on that mesh (differentiable into the shard), so that the row terms reduce over
+        the shards; otherwise the weight itself."""
+        weight = self.head().weight
+        mesh = self.vocab_mesh
+        if mesh is None:
+            return weight
+        from torch.distributed.tensor import DTensor, Shard
+
+        rows = vocab_shard_rows(mesh, self.vocab_size)
+        if weight.shape[0] != rows[1] - rows[0]:
+            raise SetupError(
+                f"the LM head's weight inside its forward has {weight.shape[0]} rows; the vocabulary shard of rank "
+                f"{mesh.get_local_rank()} of {mesh.size()} on {mesh.mesh_dim_names} is rows {rows} of {self.vocab_size}"
+            )
+        return DTensor.from_local(weight, mesh, [Shard(0)], run_check=False, shape=(self.vocab_size, weight.shape[1]),
+                                  stride=(weight.shape[1], 1))
 
     def register_logits_hook(self, hook: Callable[[torch.Tensor], None]) -> None:
         """Call ``hook(logits)`` after every forward with the logits the model's loss reads: the

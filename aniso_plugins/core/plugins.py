@@ -156,14 +156,15 @@ class AnisoPlugins:
         """One evaluation batch (logits and causally aligned targets)."""
         self.pm.hook.aniso_eval_batch(logits=logits, targets=targets)
 
-    def measure(self, step: StepInfo, kind: str = "train", group=None) -> dict[str, float]:
+    def measure(self, step: StepInfo, kind: str = "train") -> dict[str, float]:
         """Collect, reduce and finish all metrics of `kind` ("train" or "eval"). Collective:
         every rank must call it. Returns ``aniso/``-prefixed names -> floats, identical on
-        every rank; for "train" it includes the last loss-term values."""
+        every rank; for "train" it includes the last loss-term values. Statistics of the
+        micro-batches reduce over ``step.batch_group``, those of rows over the world."""
         if kind not in ("train", "eval"):
             raise ValueError(f"kind must be 'train' or 'eval', got {kind!r}")
         reduced: dict[str, torch.Tensor] = {}
-        shares = {f"{_SHARE}{k}": Stat(v) for k, v in self._last_shares.items()} if kind == "train" else {}
+        shares = {f"{_SHARE}{k}": Stat(v, over="batch") for k, v in self._last_shares.items()} if kind == "train" else {}
         for round_index in range(MAX_METRIC_ROUNDS):
             stats: dict[str, Stat] = shares if round_index == 0 else {}
             for part in self.pm.hook.aniso_metric_stats(step=step, kind=kind, round_index=round_index, reduced=reduced):
@@ -173,7 +174,7 @@ class AnisoPlugins:
                     stats[name] = stat
             if not stats:
                 break
-            reduced.update(reduce_stats(stats, group=group))
+            reduced.update(reduce_stats(stats, batch_group=step.batch_group))
         else:
             raise RuntimeError(f"metric statistics did not settle in {MAX_METRIC_ROUNDS} rounds")
         out: dict[str, float] = {}

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from aniso_plugins.core.config import AnisoConfig, ConfigError
@@ -75,6 +76,8 @@ class TrainingSession:
         self.run: RunInfo | None = None
         self._loss_scale = 1.0
         self._grad_scaler: GradScaler | None = None
+        self._batch_group: dist.ProcessGroup | None = None
+        self._batch_copies = 1
         self._micro_batch = 0
         self._current: StepInfo | None = None
         self._loss_due = False
@@ -132,6 +135,12 @@ class TrainingSession:
         try:
             self.plugins.setup(handle)
             readers = self.plugins.reads_training_logits()
+            if readers and handle.vocab_mesh is not None:
+                raise SetupError(
+                    f"{'; '.join(readers)}: under tensor parallelism with loss parallel each rank holds only its "
+                    f"vocabulary shard of the training logits ({handle.vocab_mesh.size()} shards on "
+                    f"{handle.vocab_mesh.mesh_dim_names}); measure it in a run without tensor parallelism"
+                )
             if owns_loss and readers:
                 owns_loss, why_not = False, "; ".join(readers)
             self._head_computes_loss = self.plugins.head_computes_loss(owns_loss, why_not or "the adapter cannot")
@@ -174,6 +183,8 @@ class TrainingSession:
         loss_scale: float = 1.0,
         grad_scaler: GradScaler | None = None,
         label_smoothing: float = 0.0,
+        batch_group: dist.ProcessGroup | None = None,
+        batch_copies: int = 1,
     ) -> RunInfo:
         """Training starts or resumes; the plugins learn what the trainer knows.
 
@@ -184,7 +195,13 @@ class TrainingSession:
             when they are summed, as torchtitan does);
         grad_scaler: the trainer's fp16 gradient scaler, if any: backward runs on the scaled
             loss, so the loss terms are scaled by its current scale too;
-        label_smoothing: the trainer's label smoothing of the token loss (`RunInfo`).
+        label_smoothing: the trainer's label smoothing of the token loss (`RunInfo`);
+        batch_group: the ranks whose micro-batches are distinct parts of the global batch
+            (`StepInfo.batch_group`; None: the world);
+        batch_copies: how many ranks hold each micro-batch (the tensor-parallel degree: the
+            ranks of a TP group see the same tokens and sum the head input's gradient), so
+            that a rank's activation-term share is weighted 1 / batch_copies of a data-parallel
+            rank's (`_activation_scale`).
         State loaded before this call is restored right after the plugins' hook."""
         if self.handle is None:
             raise SetupError("TrainingSession.setup(handle) must run before begin_training")
@@ -194,8 +211,12 @@ class TrainingSession:
             accumulation_steps=accumulation_steps,
             label_smoothing=label_smoothing,
         )
+        if not isinstance(batch_copies, int) or batch_copies < 1:
+            raise ValueError(f"batch_copies={batch_copies!r}: expected an integer >= 1")
         self._loss_scale = loss_scale
         self._grad_scaler = grad_scaler
+        self._batch_group = batch_group
+        self._batch_copies = batch_copies
         self.plugins.begin_training(self.run)
         if self._pending_state is not None:
             (state, where), self._pending_state = self._pending_state, None
@@ -246,6 +267,7 @@ class TrainingSession:
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,
             sequence_ids=batch.sequence_ids,
+            batch_group=self._batch_group,
         )
         if supplies_loss and not self.supplies_loss:
             raise ConfigError(
@@ -295,7 +317,9 @@ class TrainingSession:
 
     def end_step(self, step: int) -> None:
         """The optimizer step `step` was applied."""
-        info = self._current if self._current is not None and self._current.step == step else StepInfo(step=step)
+        info = self._current
+        if info is None or info.step != step:
+            info = StepInfo(step=step, batch_group=self._batch_group)
         self.plugins.step_end(info)
         self._micro_batch = 0
         self._loss_due = False
@@ -307,9 +331,12 @@ class TrainingSession:
         return self._loss_scale * amp
 
     def _activation_scale(self) -> float:
-        """Weight of a rank's share: the trainer's reduction makes ``loss_scale · world`` of
-        them sum over ranks (DDP averages: 1 · world; torchtitan sums: 1/world · world)."""
-        return self._gradient_scale() * rank_and_world()[1]
+        """Weight of a rank's share, ``loss_scale · world / copies²``: the trainer's reduction
+        of ``loss_scale``-weighted terms over the ``world / copies`` data-parallel ranks makes
+        the shares sum (DDP averages: 1 · world; torchtitan sums: 1/dp · dp), and the
+        ``copies`` ranks holding one micro-batch (TP) sum the head input's gradient, so each
+        adds 1/copies of it."""
+        return self._gradient_scale() * rank_and_world()[1] / self._batch_copies**2
 
     def _on_head_input(self, module: nn.Module, args):
         if self._activations_due and module.training and args and isinstance(args[0], torch.Tensor):
@@ -327,7 +354,21 @@ class TrainingSession:
         if self._eval is not None and not self._eval_paused:
             targets = self._eval.take(logits.shape[:-1])
             if targets is not None:
-                self.plugins.eval_batch(logits.detach(), targets)
+                self.plugins.eval_batch(self._whole_vocabulary(logits.detach()), targets)
+
+    def _whole_vocabulary(self, logits: torch.Tensor) -> torch.Tensor:
+        """Evaluation logits over all V ids: a tensor-parallel rank's vocabulary shard of them
+        (`ModelHandle.vocab_mesh`) all-gathered over the shards (collective: the ranks of a TP
+        group evaluate the same chunks in step), one evaluation chunk at a time."""
+        mesh = self.handle.vocab_mesh if self.handle is not None else None
+        if mesh is None:
+            return logits
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (*logits.shape[:-1], self.handle.vocab_size)
+        stride = tuple(torch.empty(shape, device="meta").stride())
+        return DTensor.from_local(logits, mesh, [Shard(logits.dim() - 1)], run_check=False, shape=shape,
+                                  stride=stride).full_tensor()
 
     def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
         if self._eval is not None or not (module.training and torch.is_grad_enabled()):
@@ -357,7 +398,7 @@ class TrainingSession:
     # --- measurement ------------------------------------------------------------------------
     def measure(self, step: int, kind: str = "train") -> dict[str, float]:
         """Metrics (``aniso/...``) at `step`; collective, identical on every rank."""
-        return self.plugins.measure(StepInfo(step=step, measure=True), kind)
+        return self.plugins.measure(StepInfo(step=step, measure=True, batch_group=self._batch_group), kind)
 
     def measure_and_log(
         self, step: int, kind: str = "train", sink: MetricsSink | None = None, prefix: str = ""

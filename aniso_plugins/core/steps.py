@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from aniso_plugins.numerics.distributed import ceil_div
 
@@ -50,6 +51,10 @@ class StepInfo:
         position belongs to within its row (int64, shaped like the targets;
         `aniso_plugins.core.targets.sequence_ids`); None when each row is one example. Terms and
         metrics that pair positions of one example compare these.
+    batch_group: the ranks whose micro-batches are distinct parts of the global batch, over
+        which sums of the batch (token counts, activation statistics: ``Stat(over="batch")``)
+        reduce; None: the world. It differs from the world where ranks hold copies of one
+        micro-batch (tensor parallelism).
     """
 
     step: int
@@ -61,6 +66,14 @@ class StepInfo:
     input_ids: torch.Tensor | None = None
     attention_mask: torch.Tensor | None = None
     sequence_ids: torch.Tensor | None = None
+    batch_group: dist.ProcessGroup | None = None
+
+    @property
+    def batch_ranks(self) -> int:
+        """How many ranks hold distinct parts of the global batch (the size of `batch_group`)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.batch_group)
 
     @property
     def last_micro_batch(self) -> bool:

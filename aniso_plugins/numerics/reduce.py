@@ -2,9 +2,15 @@
 
 A plugin never calls a collective itself. It returns named `Stat`s computed on its local rows
 or its local micro-batches; `reduce_stats` combines all of them at once with one flat
-collective per (dtype, op): all_reduce SUM / MAX / MIN, or all_gather for LSE (the
+collective per (dtype, op, scope): all_reduce SUM / MAX / MIN, or all_gather for LSE (the
 log-sum-exp of per-rank log-sum-exps, as Cut Cross-Entropy's ``vp_reduce_lse``).
 Without torch.distributed the statistics pass through unchanged.
+
+Two scopes: a statistic of a parameter's rows (``over="world"``, the rows partitioned over the
+world by `aniso_plugins.local_rows`) reduces over the world; a statistic of the micro-batches
+(``over="batch"``: targets, hidden states, logits) reduces over the batch group, the ranks whose
+micro-batches are distinct parts of the global batch. The two differ where ranks hold copies
+of one micro-batch (tensor parallelism: every rank of a TP group sees the same tokens).
 """
 
 from __future__ import annotations
@@ -20,52 +26,55 @@ from aniso_plugins.numerics.distributed import is_distributed
 ReduceOp = Literal["sum", "max", "min", "lse"]
 
 
-class Stat(NamedTuple):
-    """A tensor and how to combine it across ranks.
+Scope = Literal["world", "batch"]
 
-    sum: sums, counts, Gram matrices; max/min: extrema, unions of 0/1 masks (max);
-    lse: per-rank log-sum-exps, combined as ``log Σ_r exp(x_r)`` elementwise."""
+
+class Stat(NamedTuple):
+    """A tensor, how to combine it across ranks, and over which ranks.
+
+    op: sum: sums, counts, Gram matrices; max/min: extrema, unions of 0/1 masks (max);
+    lse: per-rank log-sum-exps, combined as ``log Σ_r exp(x_r)`` elementwise.
+    over: "world" for statistics of a parameter's rows, "batch" for statistics of the
+    micro-batches (see the module docstring)."""
 
     value: torch.Tensor
     op: ReduceOp = "sum"
+    over: Scope = "world"
 
 
 def _dist_op(op: str):
     return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
 
 
-def reduce_stats(stats: Mapping[str, Stat], group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Combine `stats` across the ranks of `group` (default: the world).
+def reduce_stats(
+    stats: Mapping[str, Stat],
+    group: dist.ProcessGroup | None = None,
+    batch_group: dist.ProcessGroup | None = None,
+) -> dict[str, torch.Tensor]:
+    """Combine `stats` across ranks: ``over="world"`` ones over `group` (default: the world),
+    ``over="batch"`` ones over `batch_group` (default: `group`).
 
-    Every rank must call this with the same names, shapes, dtypes and ops, in any order.
-    Tensors are detached; each (dtype, op) class costs one collective on one flat buffer.
-    Returns name -> reduced tensor (same shape and dtype as given)."""
+    Every rank must call this with the same names, shapes, dtypes, ops and scopes, in any
+    order. Tensors are detached; each (dtype, op, scope) class costs one collective on one flat
+    buffer. Returns name -> reduced tensor (same shape and dtype as given)."""
     for name, stat in stats.items():
         if not isinstance(stat, Stat):
             raise TypeError(f"statistic {name!r} must be a Stat(value, op), got {type(stat).__name__}")
         if stat.op not in ("sum", "max", "min", "lse"):
             raise ValueError(f"statistic {name!r}: op must be sum, max, min or lse, got {stat.op!r}")
+        if stat.over not in ("world", "batch"):
+            raise ValueError(f"statistic {name!r}: over must be 'world' or 'batch', got {stat.over!r}")
     if not is_distributed():
         return {name: stat.value.detach() for name, stat in stats.items()}
 
     out: dict[str, torch.Tensor] = {}
-    classes: dict[tuple[torch.dtype, torch.device, str], list[str]] = {}
+    classes: dict[tuple[torch.dtype, torch.device, str, str], list[str]] = {}
     for name in sorted(stats):
         v = stats[name].value
-        classes.setdefault((v.dtype, v.device, stats[name].op), []).append(name)
-    for (dtype, device, op), names in sorted(classes.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2])):
+        classes.setdefault((v.dtype, v.device, stats[name].op, stats[name].over), []).append(name)
+    for (dtype, device, op, over), names in sorted(classes.items(), key=lambda kv: tuple(map(str, kv[0]))):
         flat = torch.cat([stats[n].value.detach().reshape(-1) for n in names]).to(dtype)
-        if op == "lse":
-            gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, flat, group=group)
-            flat = torch.logsumexp(torch.stack(gathered), dim=0)
-        else:
-            if flat.dtype == torch.bool:
-                flat = flat.to(torch.uint8)
-                dist.all_reduce(flat, op=_dist_op(op), group=group)
-                flat = flat.bool()
-            else:
-                dist.all_reduce(flat, op=_dist_op(op), group=group)
+        flat = _reduce_flat(flat, op, batch_group if over == "batch" and batch_group is not None else group)
         i = 0
         for n in names:
             v = stats[n].value
@@ -74,20 +83,39 @@ def reduce_stats(stats: Mapping[str, Stat], group: dist.ProcessGroup | None = No
     return out
 
 
+def _reduce_flat(flat: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """One collective on one flat buffer (`reduce_stats`)."""
+    if op == "lse":
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, flat, group=group)
+        return torch.logsumexp(torch.stack(gathered), dim=0)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+        dist.all_reduce(flat, op=_dist_op(op), group=group)
+        return flat.bool()
+    dist.all_reduce(flat, op=_dist_op(op), group=group)
+    return flat
+
+
+def batch_scope(stats: Mapping[str, Stat]) -> dict[str, Stat]:
+    """`stats` as statistics of the micro-batches (``over="batch"``)."""
+    return {name: stat._replace(over="batch") for name, stat in stats.items()}
+
+
 def combine_stats(acc: dict[str, Stat], part: Mapping[str, Stat]) -> None:
     """Sum (or log-sum-exp, max, min) `part` into `acc` in place, as `reduce_stats` combines
     ranks: the statistics of two row blocks give those of their union."""
     for k, s in part.items():
         if k not in acc:
-            acc[k] = Stat(s.value.clone(), s.op)
+            acc[k] = s._replace(value=s.value.clone())
         elif s.op == "sum":
-            acc[k] = Stat(acc[k].value + s.value, "sum")
+            acc[k] = s._replace(value=acc[k].value + s.value)
         elif s.op == "lse":
-            acc[k] = Stat(torch.logaddexp(acc[k].value, s.value), "lse")
+            acc[k] = s._replace(value=torch.logaddexp(acc[k].value, s.value))
         elif s.op == "max":
-            acc[k] = Stat(torch.maximum(acc[k].value, s.value), "max")
+            acc[k] = s._replace(value=torch.maximum(acc[k].value, s.value))
         else:
-            acc[k] = Stat(torch.minimum(acc[k].value, s.value), "min")
+            acc[k] = s._replace(value=torch.minimum(acc[k].value, s.value))
 
 
 def sum_over_blocks(parts: Iterable[Mapping[str, Stat]]) -> dict[str, Stat]:
@@ -103,4 +131,4 @@ def stat_values(stats: Mapping[str, Stat]) -> dict[str, torch.Tensor]:
     return {k: s.value for k, s in stats.items()}
 
 
-__all__ = ["ReduceOp", "Stat", "combine_stats", "reduce_stats", "stat_values", "sum_over_blocks"]
+__all__ = ["ReduceOp", "Scope", "Stat", "batch_scope", "combine_stats", "reduce_stats", "stat_values", "sum_over_blocks"]

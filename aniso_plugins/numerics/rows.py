@@ -5,8 +5,10 @@ forward.
 
 Where the rows live (`split_rows`): a plain tensor (single process, a DDP replica, or the
 FSDP2-unsharded weight inside the head's forward) is the whole matrix on every rank; a
-``Shard(0)`` DTensor (FSDP2, read outside the forward) is this rank's shard plus the mesh group
-to reduce over (`aniso_plugins.local_rows`); a ``Replicate`` DTensor is its local tensor.
+``Shard(0)`` DTensor on one mesh dimension (FSDP2, read outside the forward; a tensor-parallel
+vocabulary shard, `aniso_plugins.core.model.ModelHandle.head_weight_in_forward`) is this rank's
+shard plus the mesh group to reduce over (`aniso_plugins.numerics.distributed.mesh_rows`); a
+``Replicate`` DTensor is its local tensor.
 Rows are normalized in float32 or wider, with autocast off (`no_autocast`).
 """
 
@@ -19,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from aniso_plugins.numerics.distributed import chunk_bounds, local_rows
+from aniso_plugins.numerics.distributed import chunk_bounds, mesh_rows
 from aniso_plugins.numerics.linalg import all_reduce_sum_shared
 
 
@@ -44,7 +46,13 @@ def split_rows(weight: torch.Tensor, what: str) -> Rows:
     if isinstance(weight, DTensor):
         if all(isinstance(p, Replicate) for p in weight.placements):
             return Rows(weight.to_local(), 0, weight.shape[0], None)
-        lr = local_rows(weight)  # Shard(0) on a 1-D mesh; raises for other layouts
+        if weight.device_mesh.ndim != 1:
+            raise NotImplementedError(
+                f"{what}: a DTensor weight on the {weight.device_mesh.ndim}-D mesh {weight.device_mesh.mesh_dim_names} "
+                f"({weight.placements}); the row terms take a full tensor, a replica or a Shard(0) DTensor on one mesh "
+                "dimension (compute them inside the head's forward, where FSDP2 has unsharded the weight)"
+            )
+        lr = mesh_rows(weight)  # Shard(0) on a 1-D mesh (FSDP2; a tensor-parallel vocabulary shard)
         return Rows(lr.rows, lr.offset, lr.total, weight.device_mesh.get_group())
     return Rows(weight, 0, weight.shape[0], None)
 

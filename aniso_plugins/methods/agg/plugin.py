@@ -18,7 +18,6 @@ import logging
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
@@ -41,15 +40,12 @@ class AGGPlugin(Plugin):
 
     window: ``config.window``, else ``RunInfo.epoch_steps`` from the adapter (the paper's one
     epoch of optimizer steps), else a `ConfigError` when training begins.
-    `process_group`: the data-parallel group whose ranks' counts are summed (default: the world);
-    an adapter with tensor or pipeline parallel ranks that see the same targets sets it.
     """
 
     name = "agg"
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
-        self.process_group: dist.ProcessGroup | None = None
         self.head: TrainingHead | None = None
         self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
@@ -68,7 +64,7 @@ class AGGPlugin(Plugin):
         head = model.head()
         check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
         self.vocab_size = vocab
-        self.head = TrainingHead(head, ignore_index=config.ignore_index)
+        self.head = TrainingHead(head, ignore_index=config.ignore_index, shard=model.vocab_shard())
         self.head.gated = True
         model.on_restore(self.head.remove)
 
@@ -107,7 +103,7 @@ class AGGPlugin(Plugin):
                 counter.step_index,
             )
         try:
-            counter.update(targets, all_reduce=is_distributed(), group=self.process_group)
+            counter.update(targets, all_reduce=is_distributed(), group=step.batch_group)
         except ValueError as e:
             shape = tuple(self.head.module.weight.shape)
             raise SetupError(

@@ -19,10 +19,12 @@ same pass, one more row sum of the logits chunk.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
+from aniso_plugins.numerics.distributed import VocabShard
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
 __all__ = ["default_chunk_rows", "fused_linear_cross_entropy"]
@@ -46,14 +48,15 @@ def default_chunk_rows(vocab: int, tokens: int, logit_bytes: int = 4) -> int:
     return max(MIN_CHUNK_ROWS, min(by_batch, CHUNK_LOGITS_BYTES // (logit_bytes * vocab)))
 
 
-def _row_order(y: torch.Tensor, valid: torch.Tensor, gates, acc: torch.dtype):
+def _row_order(y: torch.Tensor, valid: torch.Tensor, gates, acc: torch.dtype, shard: VocabShard | None):
     """The valid rows in chunk order and where the second group starts: ungated, all valid rows
     (split = their count); gated, first the rows of the larger group (gate ``base``), then those
-    of the smaller one (`row_gating`'s ``in_other``), so each chunk has one gate pattern."""
+    of the smaller one (`row_gating`'s ``in_other``), so each chunk has one gate pattern. The
+    order depends on the global targets only: every shard of a vocabulary chunks alike."""
     if gates is None:
         rows = valid.nonzero().squeeze(1)
         return rows, rows.numel(), None
-    rg = row_gating(gates, y, valid, acc)
+    rg = row_gating(gates, y, valid, acc, shard)
     first = (valid & ~rg.in_other).nonzero().squeeze(1)
     second = (valid & rg.in_other).nonzero().squeeze(1)
     return torch.cat([first, second]), first.numel(), rg
@@ -105,12 +108,17 @@ class _Workspace:
             z = self.stage[: z.shape[0]].copy_(z)
         return torch.ops.aten._softmax.out(z, 1, False, out=z)
 
-    def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, p_target: torch.Tensor,
-                 target_grad: torch.Tensor | None, db: torch.Tensor | None) -> torch.Tensor:
+    def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
+                 target_grad: torch.Tensor | None, db: torch.Tensor | None,
+                 smooth: torch.Tensor | None) -> torch.Tensor:
         """D·G = softmax(z) − (1 − ε)·onehot(y) − ε/V for the logits chunk `z`, in the GEMM dtype
         (in place in the logits buffer on the CPU), computed in float32 block by block. Writes
-        p_{i,y_i} into `p_target` and G's target entries into `target_grad`, adds Σ_rows G into
-        `db` (each None: not wanted)."""
+        p_{i,y_i} into `row` (`row_losses` turns it into −log p), G's target entries into
+        `target_grad` and ε(z_iy − mean_k z_ik) into `smooth`, adds Σ_rows G into `db` (each
+        None: not wanted)."""
+        if smooth is not None:  # the smoothing part of the row loss, before the in-place softmax
+            smooth.copy_(smoothing * (z.gather(1, yc).squeeze(1).to(self.acc) - z.mean(1, dtype=self.acc)))
+        p_target = row
         for i in range(0, z.shape[0], self.block):
             zi, yi = z[i : i + self.block], yc[i : i + self.block]
             g = self._softmax(zi)
@@ -129,6 +137,51 @@ class _Workspace:
             else:
                 return g.to(z.dtype)  # off the CPU: one block, a new tensor
         return z
+
+
+class _VocabParallelWorkspace(_Workspace):
+    """`_Workspace` for a vocabulary shard (tensor parallelism, loss parallel): each chunk's
+    softmax over all V ids from this rank's logits of its ids, with two all-reduces of a few
+    values per row over the shard group (the row maxima; then the sums of exp, the target
+    logits and the logit sums), as Megatron-LM's vocabulary-parallel cross-entropy does for
+    whole logits. The row losses log Σ exp − z_y come out of the same sums: no recomputation."""
+
+    def __init__(self, rows: int, v: int, d: int, compute: torch.dtype, acc: torch.dtype, device: torch.device,
+                 dw_product: bool, shard: VocabShard) -> None:
+        super().__init__(rows, v, d, compute, acc, device, dw_product)
+        self.shard = shard
+        self.stage = None  # the float32 chunk below replaces the few-row stage
+        self.work = torch.empty(rows, v, dtype=acc, device=device) if compute != acc else None
+
+    def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
+                 target_grad: torch.Tensor | None, db: torch.Tensor | None,
+                 smooth: torch.Tensor | None) -> torch.Tensor:
+        """`_Workspace.gradient` over the shard's columns of G; writes −log p_{i,y_i} into `row`
+        (identical on every shard) and G's target entries only where this shard holds y_i."""
+        shard, group = self.shard, self.shard.group
+        g = z if z.dtype == self.acc else self.work[: z.shape[0]].copy_(z)
+        y = yc.squeeze(1)
+        owned = shard.owned(y)
+        local = torch.where(owned, y - shard.start, 0)[:, None]
+        peak = g.amax(1)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        g.sub_(peak[:, None])
+        sums = torch.stack([torch.zeros_like(peak), torch.where(owned, g.gather(1, local).squeeze(1), 0.0), g.sum(1)])
+        g.exp_()
+        sums[0] = g.sum(1)
+        dist.all_reduce(sums, group=group)  # Σ_k exp(z_k − m), z_y − m, Σ_k (z_k − m) over all V
+        row.copy_(sums[0].log() - sums[1])
+        if smooth is not None:  # ε(z_y − mean_k z_k): the shift by m cancels
+            smooth.copy_(smoothing * (sums[1] - sums[2] / shard.total))
+        g.div_(sums[0][:, None])
+        if smoothing:
+            g.sub_(smoothing / shard.total)
+        g.scatter_add_(1, local, torch.where(owned, smoothing - 1.0, 0.0).to(g.dtype)[:, None])
+        if target_grad is not None:
+            target_grad.copy_(torch.where(owned, g.gather(1, local).squeeze(1), 0.0))
+        if db is not None:
+            db.add_(g.sum(0))
+        return g if g is z else z.copy_(g)
 
 
 def _staged(device: torch.device, compute: torch.dtype, acc: torch.dtype) -> bool:
@@ -163,14 +216,15 @@ def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys:
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled,
+                shard):
         compute, acc, _ = dtypes
         v, d = weight.shape
         want_dx, want_dw, want_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         with torch.autocast(hidden.device.type, enabled=False):
             X = hidden.reshape(-1, d)
             y = targets.reshape(-1)
-            rows, split, rg = _row_order(y, y != ignore_index, gates, acc)
+            rows, split, rg = _row_order(y, y != ignore_index, gates, acc, shard)
             n = rows.numel()
             ys = y[rows]
             w = weight.to(compute)
@@ -179,12 +233,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             dw = torch.zeros(v, d, dtype=acc, device=X.device) if want_dw else None
             db = torch.zeros(v, dtype=acc, device=X.device) if want_db else None
             tv = torch.empty(n, dtype=acc, device=X.device) if gates is not None and want_dw else None
-            p_target = torch.empty(n, dtype=acc, device=X.device)
+            row = torch.empty(n, dtype=acc, device=X.device)  # p_{i,y_i}; −log p_{i,y_i} for a shard
             smooth = torch.empty(n, dtype=acc, device=X.device) if smoothing else None
             bounds = [(s, min(s + chunk_size, split)) for s in range(0, split, chunk_size)]
             bounds += [(s, min(s + chunk_size, n)) for s in range(split, n, chunk_size)]
             base_scaled = gates is None
-            space = _Workspace(max((e - s for s, e in bounds), default=0), v, d, compute, acc, X.device, want_dw)
+            shape = (max((e - s for s, e in bounds), default=0), v, d, compute, acc, X.device, want_dw)
+            space = _Workspace(*shape) if shard is None else _VocabParallelWorkspace(*shape, shard)
             if gates is not None:  # the 1/D goes into the gate multiplies, which touch dW and G_c anyway
                 base_gate, other_gate = _scaled(rg.base, scale), _scaled(rg.other, scale)
             for s, e in bounds:
@@ -194,11 +249,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 xc = X[rows[s:e]].to(compute)  # the chunk's rows only: no (N, d) copy of X
                 yc = ys[s:e, None]
                 z = space.logits_of(xc, w, b)
-                if smoothing:  # ε(z_iy − mean_k z_ik), the smoothing part of the row loss
-                    smooth[s:e] = smoothing * (z.gather(1, yc).squeeze(1).to(acc) - z.mean(1, dtype=acc))
                 # D·G_c, the chunk's logit gradient before the 1/D: that goes on the (rows, d) and
                 # V-sized results, not on the chunk
-                zc = space.gradient(z, yc, smoothing, p_target[s:e], None if tv is None else tv[s:e], db)
+                zc = space.gradient(z, yc, smoothing, row[s:e], None if tv is None else tv[s:e], db,
+                                    None if smooth is None else smooth[s:e])
                 if want_dx:
                     dx[rows[s:e]] = _scaled(torch.mm(zc, w).to(hidden.dtype), scale)
                 if want_dw:
@@ -210,12 +264,12 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             space = z = zc = None  # free the chunk buffers before the row losses
             if db is not None:
                 db = _scaled(db, scale)
-            nll = _row_losses(p_target, X, rows, ys, w, b, compute, chunk_size)
+            nll = row if shard is not None else _row_losses(row, X, rows, ys, w, b, compute, chunk_size)
             loss = (nll if smooth is None else nll + smooth).sum() * scale
             if want_dw and gates is not None:
                 if not base_scaled:
                     dw.mul_(base_gate[:, None])
-                _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, scale), X, rows, ys, chunk_size)
+                _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, scale), X, rows, rg.target_index[rows], chunk_size)
             elif want_dw and not _is_one(scale):
                 dw.mul_(scale)
             if want_dx:
@@ -232,7 +286,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             )
         out = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
         ctx.grads = None
-        return (*out, None, None, None, None, None, None, None, None)
+        return (*out, None, None, None, None, None, None, None, None, None)
 
 
 def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
@@ -258,6 +312,7 @@ def fused_linear_cross_entropy(
     normalizer: float | torch.Tensor | None = None,
     chunk_size: int | None = None,
     label_smoothing: float = 0.0,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 
@@ -283,13 +338,22 @@ def fused_linear_cross_entropy(
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
     rows, elsewhere through one V × d buffer: `aniso_plugins.methods.fused_loss.gemm.addmm_in_`).
     `weight` must be the full (V, d) tensor (under FSDP2 call it where the head parameter is
-    unsharded).
+    unsharded), or with `shard` a vocabulary shard of it.
+
+    shard: vocabulary parallel (tensor parallelism with loss parallel): `weight` and `bias` hold
+    the ids ``[shard.start, shard.stop)`` of ``shard.total``, and every rank of ``shard.group``
+    calls this with the same `hidden` and global `targets` (and `row_gates`). Each chunk's
+    logits are this shard's only; its row maxima, sums of exp, target logits and logit sums are
+    all-reduced over the group (two all-reduces per chunk), so the loss, identical on every
+    rank, is that of the whole vocabulary; dW and db are this shard's rows and dX is this
+    shard's part, ``G_shard W_shard``, which the ranks sum (torchtitan's sharding of the head's
+    input does). Per rank: one chunk of ``chunk_size × V/tp`` logits, dW of ``V/tp × d``.
     """
-    check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy")
+    check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy", shard)
     dtypes = compute_dtypes(hidden, weight)
     if chunk_size is None:
         compute, acc, _ = dtypes
-        staged = _staged(hidden.device, compute, acc)
+        staged = shard is None and _staged(hidden.device, compute, acc)
         chunk_size = default_chunk_rows(weight.shape[0], targets.numel(), compute.itemsize if staged else 4)
     elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(
@@ -302,5 +366,5 @@ def fused_linear_cross_entropy(
     targets = targets.to(hidden.device)
     return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
-        torch.is_grad_enabled(),
+        torch.is_grad_enabled(), shard,
     )

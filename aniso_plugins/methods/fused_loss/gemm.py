@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
+from aniso_plugins.numerics.distributed import VocabShard
 
 __all__ = ["UPCAST_ROWS", "addmm_in_", "check_inputs", "compute_dtypes"]
 
@@ -30,10 +31,15 @@ def check_inputs(
     gates: RowGates | None,
     ignore_index: int,
     where: str,
+    shard: VocabShard | None = None,
 ) -> None:
-    """Shape, dtype and range checks shared by `gated_linear` and `fused_linear_cross_entropy`."""
+    """Shape, dtype and range checks shared by `gated_linear` and `fused_linear_cross_entropy`;
+    with `shard`, `weight` holds the rows ``[start, stop)`` of a vocabulary of ``total`` ids."""
     _check_weight(weight, where)
-    v, d = weight.shape
+    rows, d = weight.shape
+    v = rows if shard is None else shard.total
+    if shard is not None and rows != shard.stop - shard.start:
+        raise ValueError(f"{where}: the weight has {rows} rows, its vocabulary shard is ids [{shard.start}, {shard.stop})")
     if hidden.shape[-1] != d:
         raise ValueError(f"{where}: hidden has {hidden.shape[-1]} features, weight expects {d}")
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
@@ -44,7 +50,7 @@ def check_inputs(
     if targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise TypeError(f"{where}: targets must be integer token ids, got {targets.dtype}")
     if gates is not None and gates.vocab_size != v:
-        raise ValueError(f"{where}: gates are for {gates.vocab_size} ids, weight has {v} rows")
+        raise ValueError(f"{where}: gates are for {gates.vocab_size} ids, the vocabulary has {v}")
     if torch.compiler.is_compiling():  # the value check reads the data: a graph break under torch.compile
         return
     flat = targets[targets != ignore_index]

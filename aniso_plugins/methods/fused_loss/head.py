@@ -17,6 +17,7 @@ from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_en
 from aniso_plugins.methods.fused_loss.linear import gated_linear
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.methods.heads.lowrank import LowRankHead
+from aniso_plugins.numerics.distributed import VocabShard
 
 logger = logging.getLogger("aniso_plugins")
 
@@ -41,13 +42,20 @@ class TrainingHead:
       smoothed with ``label_smoothing``), a 0-dim tensor: never the full logits.
 
     Any other call runs the module's original forward. `remove` restores it.
+
+    shard: under tensor parallelism with loss parallel, the vocabulary shard whose rows
+    ``module.weight`` holds inside the forward (`ModelHandle.vocab_mesh`): both forwards then
+    run on the shard (`gated_linear` returns the shard's logits; the fused loss is the whole
+    vocabulary's, its reductions over the shard group).
     """
 
-    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int | None = None) -> None:
+    def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int | None = None,
+                 shard: VocabShard | None = None) -> None:
         check_linear_head(module, framework_forward=True)  # the caller checked the head
         self.module = module
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
+        self.shard = shard
         self.gated = False
         """Whether a plugin gates the weight gradient (AGG): it arms every micro-batch with gates."""
         self._own_forward = "forward" in module.__dict__
@@ -120,7 +128,7 @@ class TrainingHead:
         if self._targets.exhausted:
             self.disarm()
         if fused is None:
-            return gated_linear(hidden, weight, targets, gates, bias, self.ignore_index)
+            return gated_linear(hidden, weight, targets, gates, bias, self.ignore_index, self.shard)
         normalizer, smoothing = fused
         return fused_linear_cross_entropy(
             hidden,
@@ -133,6 +141,7 @@ class TrainingHead:
             normalizer=normalizer,
             chunk_size=self.chunk_size,
             label_smoothing=smoothing,
+            shard=self.shard,
         )
 
 

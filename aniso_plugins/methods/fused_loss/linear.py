@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
+from aniso_plugins.numerics.distributed import VocabShard
 
 __all__ = ["SPLIT_FRACTION", "gated_linear"]
 
@@ -36,7 +37,7 @@ SPLIT_FRACTION = 0.2
 
 class _GatedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, g1, g2, rare, g_target, ignore_index, dtypes):
+    def forward(ctx, hidden, weight, bias, targets, g1, g2, rare, g_target, ignore_index, dtypes, shard):
         compute, acc, out = dtypes
         with torch.autocast(hidden.device.type, enabled=False):
             x = hidden.to(compute)
@@ -44,14 +45,14 @@ class _GatedLinear(torch.autograd.Function):
             logits = F.linear(x, w, None if bias is None else bias.to(compute))
             logits = logits.to(out)
         ctx.save_for_backward(x, w, targets, g1, g2, rare, g_target)
-        ctx.meta = (ignore_index, dtypes, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.meta = (ignore_index, dtypes, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, shard)
         return logits
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, w, targets, g1, g2, rare, g_target = ctx.saved_tensors
-        ignore_index, (compute, acc, _), hidden_dtype, weight_dtype, bias_dtype = ctx.meta
+        ignore_index, (compute, acc, _), hidden_dtype, weight_dtype, bias_dtype, shard = ctx.meta
         v, d = w.shape
         G = grad.reshape(-1, v)
         X = x.reshape(-1, d)
@@ -61,11 +62,11 @@ class _GatedLinear(torch.autograd.Function):
                 dx = (G.to(compute) @ w).reshape(x.shape).to(hidden_dtype)
             if ctx.needs_input_grad[1]:
                 gates = RowGates(g1, g2, rare, g_target)
-                dw = _gated_weight_grad(G, X, targets.reshape(-1), gates, ignore_index, compute, acc)
+                dw = _gated_weight_grad(G, X, targets.reshape(-1), gates, ignore_index, compute, acc, shard)
                 dw = dw.to(weight_dtype)
             if ctx.needs_input_grad[2]:
                 db = G.sum(0, dtype=acc).to(bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 def _gated_weight_grad(
@@ -76,15 +77,16 @@ def _gated_weight_grad(
     ignore_index: int,
     compute: torch.dtype,
     acc: torch.dtype,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
-    """(G ⊙ Γ)ᵀ X accumulated in `acc`, its GEMMs on `compute` operands (`addmm_in_`), without
+    """(G ⊙ Γ)ᵀ X accumulated in `acc` (the rows of `shard` of it: G holds their columns), its GEMMs on `compute` operands (`addmm_in_`), without
     forming G ⊙ Γ (see the module docstring). Up to `SPLIT_FRACTION` of the rows in the smaller
     group S: diag(base)·GᵀX plus a correction GEMM over S; above it (up to half the rows, where
     the correction would cost half a GEMM more) the two groups' GEMMs over their own rows,
     diag(base)·G_¬SᵀX_¬S + diag(other)·G_SᵀX_S: the FLOPs of one GEMM, for a second V × d buffer
     and the rows gathered `_GROUP_CHUNK` at a time."""
     valid = y != ignore_index
-    rg = row_gating(gates, y, valid, acc)
+    rg = row_gating(gates, y, valid, acc, shard)
     rows = rg.in_other.nonzero().squeeze(1)
     v, d = G.shape[1], X.shape[1]
     dw = torch.zeros(v, d, dtype=acc, device=G.device)
@@ -104,7 +106,7 @@ def _gated_weight_grad(
         del other
     fixed = rg.target_fix.nonzero().squeeze(1)
     if fixed.numel():
-        yf = y[fixed]
+        yf = rg.target_index[fixed]
         coef = rg.target_fix[fixed] * G[fixed, yf].to(acc)
         dw.index_add_(0, yf, coef[:, None] * X[fixed].to(acc))
     return dw
@@ -124,6 +126,7 @@ def gated_linear(
     row_gates: RowGates,
     bias: torch.Tensor | None = None,
     ignore_index: int = -100,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Logits ``F.linear(hidden, weight, bias)`` whose backward gates the weight gradient by `row_gates` (AGG's, `agg_gates`).
 
@@ -139,11 +142,16 @@ def gated_linear(
     forward, where the parameter is unsharded); targets: (...) ids aligned with the output
     positions. Under autocast the GEMMs run in the autocast dtype and the logits are returned
     in float32; the weight gradient is accumulated in float32 (at least).
+
+    shard: tensor parallelism (loss parallel): `weight` (and `bias`) hold the vocabulary ids
+    ``[shard.start, shard.stop)`` and the logits are theirs; `targets` and `row_gates` stay
+    global (each row's group is decided by its global target), and the target-entry factor
+    applies on the rank that holds the target's row.
     """
-    check_inputs(hidden, weight, targets, row_gates, ignore_index, "gated_linear")
+    check_inputs(hidden, weight, targets, row_gates, ignore_index, "gated_linear", shard)
     dtypes = compute_dtypes(hidden, weight)
     gates = row_gates.to(weight.device)
     targets = targets.to(hidden.device)
     return _GatedLinear.apply(
-        hidden, weight, bias, targets, gates.g1, gates.g2, gates.rare, gates.g_target, ignore_index, dtypes
+        hidden, weight, bias, targets, gates.g1, gates.g2, gates.rare, gates.g_target, ignore_index, dtypes, shard
     )

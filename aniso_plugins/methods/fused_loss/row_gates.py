@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from aniso_plugins.numerics.distributed import VocabShard
+
 __all__ = ["RowGates", "RowGating", "row_gating"]
 
 
@@ -63,19 +65,25 @@ class RowGates:
 class RowGating(NamedTuple):
     """How Γ acts on N rows, for a weight gradient computed as base-scaled GEMM + corrections.
 
-    base / other: (V,) gate vectors of the larger / smaller row group (g1 for non-rare-target
-    rows, which include ignored rows, g2 for rare-target rows); in_other: (N,) bool, rows of
-    the smaller group; target_fix: (N,) factor to add at entry (i, y_i) so that its gate
-    becomes g_target[y_i] (1 by default) instead of the row's group gate (0 on ignored rows)."""
+    base / other: gate vectors of the larger / smaller row group over the weight's rows (g1
+    for non-rare-target rows, which include ignored rows, g2 for rare-target rows; the ids
+    ``[start, stop)`` of a vocabulary shard); in_other: (N,) bool, rows of the smaller group
+    (decided by the global targets, the same on every shard); target_fix: (N,) factor to add at
+    entry (i, y_i) so that its gate becomes g_target[y_i] (1 by default) instead of the row's
+    group gate (0 on ignored rows and where y_i is not in this shard); target_index: (N,) the
+    weight row of y_i (y_i − start; 0 where target_fix is 0)."""
 
     base: torch.Tensor
     other: torch.Tensor
     in_other: torch.Tensor
     target_fix: torch.Tensor
+    target_index: torch.Tensor
 
 
-def row_gating(gates: RowGates, targets: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> RowGating:
-    """`RowGating` for flat `targets` (N,) with `valid` = targets != ignore_index."""
+def row_gating(gates: RowGates, targets: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype,
+               shard: VocabShard | None = None) -> RowGating:
+    """`RowGating` for flat global `targets` (N,) with `valid` = targets != ignore_index, for
+    the weight rows of `shard` (None: all V)."""
     safe = torch.where(valid, targets, 0)
     rare_row = valid & gates.rare[safe]
     n = targets.numel()
@@ -87,4 +95,9 @@ def row_gating(gates: RowGates, targets: torch.Tensor, valid: torch.Tensor, dtyp
     applied = torch.where(in_other, other[safe], base[safe])
     wanted = torch.ones_like(applied) if gates.g_target is None else gates.g_target.to(dtype)[safe]
     fix = torch.where(valid, wanted - applied, 0.0)
-    return RowGating(base, other, in_other, fix)
+    if shard is None:
+        return RowGating(base, other, in_other, fix, safe)
+    owned = shard.owned(safe)
+    index = torch.where(owned, safe - shard.start, 0)
+    fix = torch.where(owned, fix, 0.0)
+    return RowGating(base[shard.start : shard.stop], other[shard.start : shard.stop], in_other, fix, index)

@@ -84,7 +84,7 @@ class RegularizerPlugin(Plugin):
 
     @hookimpl
     def aniso_loss_terms(self, step: StepInfo) -> dict[str, torch.Tensor]:
-        value = self.penalty(self.model.head().weight, step)
+        value = self.penalty(self.model.head_weight_in_forward(), step)
         self.last_value = float(value.detach())
         term = self.config.reg_weight * value
         if self.config.reg_every_microbatch:

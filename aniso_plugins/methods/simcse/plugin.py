@@ -35,7 +35,6 @@ from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.simcse.contrastive import info_nce, pool
 from aniso_plugins.methods.uniformity.kernels import alignment, uniformity
-from aniso_plugins.numerics.distributed import rank_and_world
 from aniso_plugins.numerics.reduce import Stat
 
 logger = logging.getLogger("aniso_plugins")
@@ -134,9 +133,8 @@ class SimCSEPlugin(Plugin):
         z1, z2 = z[0::2], z[1::2]
         if step.measure:
             self._views = (z1.detach(), z2.detach())
-        world = rank_and_world()[1]
         share = info_nce(z1, z2, self.config.simcse_temperature) * (
-            self.config.simcse_weight / (world * step.accumulation_steps)
+            self.config.simcse_weight / (step.batch_ranks * step.accumulation_steps)
         )
         return {self.name: share}
 
@@ -152,10 +150,10 @@ class SimCSEPlugin(Plugin):
         if n > 1:
             lse = uniformity(views[0], self.config.uniformity_t).to(zero) + math.log(n * (n - 1))
         return {
-            "simcse/align_sum": Stat(align_sum),
-            "simcse/align_n": Stat(zero + n),
-            "simcse/uniform_lse": Stat(lse, "lse"),
-            "simcse/uniform_pairs": Stat(zero + (n * (n - 1))),
+            "simcse/align_sum": Stat(align_sum, over="batch"),
+            "simcse/align_n": Stat(zero + n, over="batch"),
+            "simcse/uniform_lse": Stat(lse, "lse", over="batch"),
+            "simcse/uniform_pairs": Stat(zero + (n * (n - 1)), over="batch"),
         }
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:

@@ -41,7 +41,7 @@ class SimCTGPlugin(Plugin):
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
         count = simctg_pair_count(targets != self.config.ignore_index, step.sequence_ids)
         if is_distributed():  # collective-safe hook: every rank, every micro-batch
-            dist.all_reduce(count, op=dist.ReduceOp.SUM)
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=step.batch_group)
         self._pair_count = count
 
     @hookimpl

@@ -49,7 +49,7 @@ from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.uniformity.kernels import row_uniformity, uniformity_finish, uniformity_stats
 from aniso_plugins.numerics.distributed import chunk_bounds, local_rows, rank_and_world
-from aniso_plugins.numerics.reduce import Stat
+from aniso_plugins.numerics.reduce import Stat, batch_scope
 
 HEAD_TERM = "uniformity_head"
 HIDDEN_TERM = "uniformity_hidden"
@@ -99,7 +99,7 @@ class UniformityPlugin(Plugin):
     def aniso_loss_terms(self, step: StepInfo) -> dict[str, torch.Tensor] | None:
         if "head" not in self.config.uniformity_on:
             return None
-        term = self.config.uniformity_weight * self.head_value(self.model.head().weight, step)
+        term = self.config.uniformity_weight * self.head_value(self.model.head_weight_in_forward(), step)
         if self.config.reg_every_microbatch:
             term = term / step.accumulation_steps
         return {HEAD_TERM: term}
@@ -118,8 +118,7 @@ class UniformityPlugin(Plugin):
         flat = hidden.reshape(-1, hidden.shape[-1])
         keep = (targets.reshape(-1) != self.config.ignore_index).to(flat.device)
         value = row_uniformity(flat[keep], self.config.uniformity_t, block=self.config.uniformity_block)
-        world = rank_and_world()[1]
-        return {HIDDEN_TERM: value * (self.config.uniformity_weight / (world * step.accumulation_steps))}
+        return {HIDDEN_TERM: value * (self.config.uniformity_weight / (step.batch_ranks * step.accumulation_steps))}
 
 
 class UniformityMetricPlugin(Plugin):
@@ -191,7 +190,7 @@ class UniformityMetricPlugin(Plugin):
             if hidden is None:  # no measurement micro-batch seen on this rank: no pair
                 empty = torch.zeros(0, self.model.hidden_size, device=self.model.head().weight.device)
                 hidden = uniformity_stats(empty, cfg.uniformity_t, HIDDEN_PREFIX)
-            return {HEAD_PREFIX + "rows": Stat(self._head_rows(step))} | hidden
+            return {HEAD_PREFIX + "rows": Stat(self._head_rows(step))} | batch_scope(hidden)
         # round 1: every rank holds the sampled rows; each takes the pairs of its chunk of them
         rows = reduced[HEAD_PREFIX + "rows"]
         rank, world = rank_and_world()

@@ -44,7 +44,7 @@ from aniso_plugins.metrics.ethayarajh.stats import (
     token_positions,
     word_counts,
 )
-from aniso_plugins.numerics.reduce import Stat, reduce_stats
+from aniso_plugins.numerics.reduce import Stat, batch_scope, reduce_stats
 
 PREFIX = "ethayarajh/"
 
@@ -87,7 +87,8 @@ class EthayarajhPlugin(Plugin):
             step.sequence_ids,
         )
         # collective-safe hook: every rank chooses the words from the same global counts
-        counts = reduce_stats({PREFIX + "counts": Stat(word_counts(ids, self.model.vocab_size))})[PREFIX + "counts"]
+        counts = reduce_stats({PREFIX + "counts": Stat(word_counts(ids, self.model.vocab_size))}, group=step.batch_group)
+        counts = counts[PREFIX + "counts"]
         self._positions = (ids, counted, step.sequence_ids)
         self._words = choose_words(counts, self.config.ethayarajh_words)
         self._pair_share = baseline_pair_share(counts, self._words)
@@ -129,7 +130,7 @@ class EthayarajhPlugin(Plugin):
         for i in range(self.layers):
             prefix = f"{PREFIX}layer_{i}/"
             stats |= self._stats.get(i) or empty_layer_stats(words, self.model.hidden_size, device, prefix)
-        return stats
+        return batch_scope(stats)
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         out: dict[str, float] = {}

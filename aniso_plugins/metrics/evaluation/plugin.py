@@ -84,9 +84,9 @@ class EvalPlugin(Plugin):
         if self._nll is None:
             self._reset(self.counts.ready().counts.device)
         return {
-            "eval/nll": Stat(self._nll),
-            "eval/tokens": Stat(self._tokens),
-            "eval/predicted": Stat(self._predicted, "max"),
+            "eval/nll": Stat(self._nll, over="batch"),
+            "eval/tokens": Stat(self._tokens, over="batch"),
+            "eval/predicted": Stat(self._predicted, "max", over="batch"),
         }
 
     @hookimpl

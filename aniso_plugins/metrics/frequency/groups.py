@@ -73,12 +73,13 @@ class CumulativeTargetCounts:
         local = torch.bincount(y, minlength=self.vocab_size)
         self._pending = local if self._pending is None else self._pending + local.to(self._pending.device)
 
-    def sync(self) -> None:
+    def sync(self, group: dist.ProcessGroup | None = None) -> None:
+        """Add the pending counts, summed over `group` (default: the world), to the totals."""
         pending = self._pending
         if pending is None:
             pending = torch.zeros(self.vocab_size, dtype=torch.long, device=self.counts.device)
         if is_distributed():
-            dist.all_reduce(pending)
+            dist.all_reduce(pending, group=group)
         self.counts = self.counts.to(pending.device) + pending
         self._pending = None
 

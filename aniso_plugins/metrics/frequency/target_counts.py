@@ -41,7 +41,7 @@ class TargetCountsPlugin:
 
     @hookimpl
     def aniso_step_end(self, step: StepInfo) -> None:
-        self.ready().sync()
+        self.ready().sync(step.batch_group)
 
     @hookimpl
     def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:

@@ -32,7 +32,7 @@ from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.geometry.stats import mean_cosine_finish, mean_cosine_stats
 from aniso_plugins.numerics.distributed import rank_and_world
-from aniso_plugins.numerics.reduce import Stat
+from aniso_plugins.numerics.reduce import Stat, batch_scope
 
 
 class HiddenStatesPlugin(Plugin):
@@ -93,7 +93,7 @@ class HiddenStatesPlugin(Plugin):
             stats |= self._stats.get(i) or mean_cosine_stats(
                 torch.zeros(0, self.model.hidden_size, device=device), f"hidden/layer_{i}/"
             )
-        return stats
+        return batch_scope(stats)
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         layers = range(self.layers)
