@@ -79,6 +79,7 @@ from torch import nn
 
 from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession, sequence_ids
 from aniso_plugins.core.targets import MicroBatchTargets
+from aniso_plugins.numerics.distributed import set_world
 
 try:
     import tyro
@@ -117,9 +118,20 @@ class TitanModelHandle(ModelHandle):
 
     framework_wraps_head_forward = True
 
-    def __init__(self, model: nn.Module, vocab_mesh=None) -> None:
+    def __init__(self, model: nn.Module, vocab_mesh=None, sequence_mesh=None) -> None:
         super().__init__(model, head="lm_head", input_embedding="tok_embeddings", blocks="layers")
         self.vocab_mesh = vocab_mesh
+        self.sequence_mesh = sequence_mesh
+        self._vocab_size = self.head().weight.shape[0]  # the DTensor's global rows (a shard inside the forward)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def input_embedding(self) -> nn.Module | None:
+        """The token embedding; None on a pipeline stage that does not hold it."""
+        embedding = getattr(self.model, "tok_embeddings", None)
+        return embedding if isinstance(embedding, nn.Module) else None
 
     def blocks(self) -> list[nn.Module]:
         layers = getattr(self.model, "layers", None)
@@ -150,7 +162,7 @@ class AnisoChunkedLoss(ChunkedLossWrapper):
         **loss_inputs: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         runtime = self.runtime
-        if global_valid_tokens is None or not pred.requires_grad:  # validation: torchtitan's loss
+        if global_valid_tokens is None or not (pred.requires_grad and torch.is_grad_enabled()):  # validation
             if runtime is None:
                 return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
             with runtime.session.evaluating(labels, head_calls=self.num_chunks):
@@ -160,12 +172,15 @@ class AnisoChunkedLoss(ChunkedLossWrapper):
                 "AnisoChunkedLoss is not connected to the trainer: use an AnisoTrainer recipe, or add "
                 "aniso_plugins.integrations.torchtitan.aniso_checkpoint to --override.imports"
             )
-        runtime.begin_micro_batch(
-            labels, head_calls=self.num_chunks, loss_normalizer=global_valid_tokens, positions=loss_inputs.get("positions")
-        )
+        if runtime.inferring_pipeline_metadata():  # a real forward-backward whose gradients are dropped
+            return (pred * 0.0).sum(), {}
+        if not runtime.announced:  # pipeline parallel: the schedule calls the loss per pipeline micro-batch
+            runtime.begin_micro_batch(labels, global_valid_tokens, positions=loss_inputs.get("positions"))
+        runtime.announced = False
         pred = runtime.session.attach_activation_terms(pred)  # SimCTG & co. on the whole micro-batch
         if runtime.session.head_computes_loss:
-            return self.lm_head(pred), {}
+            # a scalar of its own, not a view (attach_loss's): pipeline schedules detach_() the loss in place
+            return self.lm_head(pred).clone(), {}
         return super().__call__(pred, labels, global_valid_tokens, **loss_inputs)
 
 
@@ -253,7 +268,7 @@ class AnisoCheckpointManager(CheckpointManager):
             return  # AnisoTrainer connects itself after construction
         loss = getattr(trainer, "loss_fn", None)
         config_ = loss.aniso_config if isinstance(loss, AnisoChunkedLoss) else None
-        AnisoRuntime(trainer, config_ or default_config(), self)
+        AnisoRuntime.connect(trainer, config_ or default_config(), self)
 
 
 # --- the connection between one trainer and one session ----------------------------------------
@@ -266,23 +281,32 @@ class TitanLayout:
     batch_group: the ranks whose micro-batches are distinct parts of the global batch
         (torchtitan's ``loss`` mesh: batch × cp), over which token counts reduce;
     batch_copies: the ranks holding each micro-batch (the TP degree);
-    vocab_mesh: the ``tp`` mesh, whose ranks hold vocabulary shards of the head (None: no TP)."""
+    vocab_mesh: the ``tp`` mesh, whose ranks hold vocabulary shards of the head (None: no TP);
+    sequence_mesh: the ``tp`` mesh under sequence parallelism, whose ranks hold chunks of the
+        positions at the blocks' outputs (None: no TP, or sequence parallelism off);
+    stage_group: under pipeline parallelism, the ranks of this rank's pipeline stage, which
+        stand for the world in aniso_plugins' collectives (None: no PP);
+    pipeline_micro_batches: the loss calls per forward-backward (PP micro-batches; 1 without PP)."""
 
     data_parallel: int
     batch_group: Any
     batch_copies: int
     vocab_mesh: Any
+    sequence_mesh: Any
+    stage_group: Any = None
+    pipeline_micro_batches: int = 1
 
 
-def layout_of(parallel_dims) -> TitanLayout:
+def layout_of(parallel_dims, sequence_parallel: bool = True, pipeline_micro_batches: int = 1) -> TitanLayout:
     """The `TitanLayout` of a run, after refusing the layouts the adapter cannot make exact
-    (each refusal names the layout and the way out)."""
+    (each refusal names the layout and the way out). Collective under pipeline parallelism
+    (every rank creates the stage groups)."""
     pd = parallel_dims
-    unsupported = {name: getattr(pd, name) for name in ("cp", "pp", "ep") if getattr(pd, name) > 1}
+    unsupported = {name: getattr(pd, name) for name in ("cp", "ep") if getattr(pd, name) > 1}
     if unsupported:
         raise SetupError(
             f"aniso_plugins does not support {unsupported} yet (data parallelism over dp_replicate and dp_shard, "
-            "and tensor parallelism, are supported): set those degrees to 1"
+            "tensor and pipeline parallelism are supported): set those degrees to 1"
         )
     if pd.tp > 1 and pd.spmd_backend != "spmd_types":
         raise SetupError(
@@ -291,12 +315,49 @@ def layout_of(parallel_dims) -> TitanLayout:
             "backend gives them; use the default backend"
         )
     batch = pd.get_optional_mesh("loss", include_singleton_axes=True)
+    tp = pd.get_optional_mesh("tp") if pd.tp > 1 else None
     return TitanLayout(
         data_parallel=pd.dp_replicate * pd.dp_shard,
         batch_group=None if batch is None else batch.get_group(),
         batch_copies=pd.tp,
-        vocab_mesh=pd.get_optional_mesh("tp") if pd.tp > 1 else None,
+        vocab_mesh=tp,
+        sequence_mesh=tp if sequence_parallel else None,
+        stage_group=_stage_group(pd.pp) if pd.pp > 1 else None,
+        pipeline_micro_batches=pipeline_micro_batches if pd.pp > 1 else 1,
     )
+
+
+def _stage_group(pp: int):
+    """The ranks of this rank's pipeline stage: torchtitan's meshes put ``pp`` outermost, so
+    stage s holds the ranks ``[s·n, (s + 1)·n)``, n = world / pp. Every rank creates every
+    stage's group (``new_group`` is collective) and keeps its own."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = world // pp
+    groups = [dist.new_group(list(range(s * n, (s + 1) * n))) for s in range(pp)]
+    return groups[rank // n]
+
+
+def _layout(trainer: Trainer) -> TitanLayout:
+    return layout_of(trainer.parallel_dims, trainer.config.parallelism.enable_sequence_parallel,
+                     getattr(trainer, "num_pipeline_parallel_microbatches", 1))
+
+
+def _head_part(trainer: Trainer) -> nn.Module | None:
+    """The model part of this rank that holds the LM head (the last one of the last pipeline
+    stage; the whole model without pipeline parallelism), or None."""
+    return next((part for part in reversed(trainer.model_parts) if getattr(part, "lm_head", None) is not None), None)
+
+
+def _refuse_split_blocks(config: AnisoConfig, parallel_dims) -> None:
+    """Metrics of every block's outputs cannot be measured where pipeline stages split the blocks."""
+    split = [m for m in config.metrics if m in ("hidden", "ethayarajh")]
+    if split and parallel_dims.pp > 1:
+        raise SetupError(
+            f"metrics {split} under pipeline parallelism (pp={parallel_dims.pp}): the blocks are split over the "
+            "pipeline stages and each stage sees only its own; measure them in a run without pipeline parallelism"
+        )
 
 
 class AnisoRuntime:
@@ -311,7 +372,19 @@ class AnisoRuntime:
     ``checkpointer.states["aniso"]`` holds `AnisoCheckpointState`.
     """
 
-    def __init__(self, trainer: Trainer, config: AnisoConfig, checkpointer) -> None:
+    @classmethod
+    def connect(cls, trainer: Trainer, config: AnisoConfig, checkpointer) -> AnisoRuntime | None:
+        """The runtime of this rank, or None on a pipeline stage without the LM head (there is
+        nothing to count, gate or measure there; the stage's ranks run stock torchtitan).
+        Collective: every rank calls it (the pipeline stages' groups are created here)."""
+        layout = _layout(trainer)
+        set_world(layout.stage_group)
+        if _head_part(trainer) is None:
+            logger.info("aniso_plugins: this pipeline stage holds no LM head; nothing runs on it")
+            return None
+        return cls(trainer, config, checkpointer, layout)
+
+    def __init__(self, trainer: Trainer, config: AnisoConfig, checkpointer, layout: TitanLayout | None = None) -> None:
         loss = getattr(trainer, "loss_fn", None)
         if not isinstance(loss, AnisoChunkedLoss):
             raise SetupError(
@@ -334,18 +407,23 @@ class AnisoRuntime:
                 f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
                 "from its config; untie with the model config's enable_weight_tying=False)"
             )
-        model = trainer.model_parts[0]
+        layout = layout if layout is not None else _layout(trainer)
+        model = _head_part(trainer)
+        if model is None:
+            raise SetupError("aniso_plugins: no model part of this rank holds the LM head (use AnisoRuntime.connect)")
+        _refuse_split_blocks(config, trainer.parallel_dims)
         session = TrainingSession(config)
-        layout = layout_of(trainer.parallel_dims)
+        self.layout = layout
         self.trainer = trainer
         self.session = session
         # the loss can come from the head only where it is the plain cross-entropy the head computes
         plain = type(loss.loss_fn) is CrossEntropyLoss
         why_not = "" if plain else f"the inner loss is {type(loss.loss_fn).__name__}, not torchtitan's cross-entropy"
-        session.setup(TitanModelHandle(model, layout.vocab_mesh), owns_loss=plain, why_not=why_not)
+        session.setup(TitanModelHandle(model, layout.vocab_mesh, layout.sequence_mesh), owns_loss=plain, why_not=why_not)
         try:  # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
             session.begin_training(
-                start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps,
+                start_step=trainer.step,
+                accumulation_steps=trainer.gradient_accumulation_steps * layout.pipeline_micro_batches,
                 loss_scale=1.0 / layout.data_parallel, batch_group=layout.batch_group, batch_copies=layout.batch_copies,
             )
         except BaseException:
@@ -362,25 +440,55 @@ class AnisoRuntime:
                 type(self.metrics).__name__,
             )
         trainer.optimizers.register_step_post_hook(self._after_optimizer_step)
+        self.announced = False
+        self._announce_before_the_forward(trainer)
         if checkpointer.enable:
             checkpointer.states[STATE_KEY] = AnisoCheckpointState(self.session)
         loss.runtime = self
 
+    def inferring_pipeline_metadata(self) -> bool:
+        """Whether torch's pipeline schedule is inferring its stages' backward metadata: before
+        its first backward (and after a switch from evaluation) it runs the loss on the first
+        micro-batch once more and throws the gradients away. That call must not count or gate
+        anything, nor call the head; any loss of the output's shape serves it."""
+        schedule = getattr(self.trainer, "pp_schedule", None)
+        if schedule is None:
+            return False
+        for flag in ("_stages_backward_initialized", "_stage_backward_initialized"):  # multi-stage, single-stage
+            if hasattr(schedule, flag):
+                return not getattr(schedule, flag)
+        return False
+
+    def _announce_before_the_forward(self, trainer: Trainer) -> None:
+        """Announce each micro-batch before the model's forward (so that metrics of the blocks'
+        outputs see a measured micro-batch), from torchtitan's ``forward_backward_step``, wrapped
+        on the trainer instance; the loss then finds it announced. Not under pipeline
+        parallelism, where the loss announces each pipeline micro-batch itself."""
+        original = trainer.forward_backward_step
+
+        def forward_backward_step(*, input_dict, labels, global_valid_tokens, **kwargs):
+            if isinstance(labels, torch.Tensor) and isinstance(input_dict, dict):
+                self.begin_micro_batch(labels, global_valid_tokens, positions=input_dict.get("positions"))
+                self.announced = True
+            return original(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens, **kwargs)
+
+        trainer.forward_backward_step = forward_backward_step
+
     def begin_micro_batch(
         self,
         labels: torch.Tensor,
-        head_calls: int,
         loss_normalizer: torch.Tensor,
         positions: torch.Tensor | None = None,
     ) -> None:
         """Announce a training micro-batch of the current step: torchtitan's `labels` are aligned
         with the head's outputs already (its datasets shift them); `positions`, with document
-        masking, restart at each document of a packed row (`aniso_plugins.sequence_ids`)."""
-        step = self.trainer.step
+        masking, restart at each document of a packed row (`aniso_plugins.sequence_ids`). The
+        chunked loss calls the head once per sequence chunk."""
+        step, head_calls = self.trainer.step, self.trainer.loss_fn.num_chunks
         self.session.begin_micro_batch(
             MicroBatchTargets(labels, sequence_ids=sequence_ids(labels.shape, position_ids=positions)),
             step=step,
-            accumulation_steps=self.trainer.gradient_accumulation_steps,
+            accumulation_steps=self.trainer.gradient_accumulation_steps * self.layout.pipeline_micro_batches,
             measure=self.session.measures_at(step, self.metrics.should_log(step)),
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,
@@ -405,7 +513,7 @@ class AnisoTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
-        self.aniso = AnisoRuntime(self, config.aniso, self.checkpointer)
+        self.aniso = AnisoRuntime.connect(self, config.aniso, self.checkpointer)
 
 
 def aniso_trainer_config(base: Trainer.Config, aniso: AnisoConfig | None = None) -> AnisoTrainer.Config:

@@ -19,7 +19,8 @@ The test recipes (`cpu_stock`, `cpu_aniso`) shrink llama3's debug model (2 layer
 `cpu_aniso_6_layers` keeps its 6 layers (benchmarks/torchtitan_step.py).
 With ``ANISO_TT_DUMP=<file>`` the launcher also records, for the tests, the step-1 gradients,
 parameters, LM-head inputs and labels (before the optimizer step), the step-2 gradients and, after training, the
-final parameters and the aniso plugin state (``torch.save`` of plain tensors, rank 0).
+final parameters and the aniso plugin state (``torch.save`` of plain tensors, rank 0; under
+pipeline parallelism the first rank of every other stage writes its stage's to ``<file>.rank<r>``).
 """
 
 from __future__ import annotations
@@ -181,38 +182,47 @@ def _install_recorder(path: str) -> None:
     train, forward_backward_step = Trainer.train, Trainer.forward_backward_step
 
     def recording_forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
-        if self.step == 1:
-            record["labels"].append(labels.detach().cpu().clone())
-            if "positions" in input_dict:
-                record["positions"].append(input_dict["positions"].detach().cpu().clone())
+        if self.step == 1:  # pipeline parallel: lists of the pipeline micro-batches
+            for y, inputs in zip(*((labels, input_dict) if isinstance(labels, list) else ([labels], [input_dict]))):
+                record["labels"].append(y.detach().cpu().clone())
+                if "positions" in inputs:
+                    record["positions"].append(inputs["positions"].detach().cpu().clone())
         return forward_backward_step(
             self, input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
         )
 
     def recording_train(self):
-        model = self.model_parts[0]
+        parts = self.model_parts
+
+        def named():
+            return [item for part in parts for item in part.named_parameters()]
 
         def head_input(module, args):
             if self.step == 1 and module.training:
                 record["head_inputs"].append(args[0].detach().cpu().clone())
 
         def before_step(optimizer, args, kwargs):
-            named = list(model.named_parameters())
             if self.step == 1:
-                record["params"] = {n: _full(p) for n, p in named}
+                record["params"] = {n: _full(p) for n, p in named()}
             if self.step in (1, 2):
                 key = "grads" if self.step == 1 else "grads_step2"
-                record[key] = {n: _full(p.grad) for n, p in named if p.grad is not None}
+                record[key] = {n: _full(p.grad) for n, p in named() if p.grad is not None}
 
-        model.lm_head.register_forward_pre_hook(head_input)
+        for part in parts:
+            if getattr(part, "lm_head", None) is not None:
+                part.lm_head.register_forward_pre_hook(head_input)
         self.optimizers.register_step_pre_hook(before_step)
         train(self)
-        record["final_params"] = {n: _full(p) for n, p in model.named_parameters()}
+        record["final_params"] = {n: _full(p) for n, p in named()}
         runtime = getattr(self.loss_fn, "runtime", None)
         if runtime is not None:
             record["aniso_state"] = runtime.session.plugins.state_dict()
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        pp = self.parallel_dims.pp
+        if rank == 0:
             torch.save(record, path)
+        elif pp > 1 and rank % (dist.get_world_size() // pp) == 0:  # the first rank of another pipeline stage
+            torch.save(record, f"{path}.rank{rank}")
 
     Trainer.train = recording_train
     Trainer.forward_backward_step = recording_forward_backward_step

@@ -90,6 +90,26 @@ class ModelHandle:
     weight inside its forward (tensor parallelism with loss parallel: a rank's logits are its
     shard's, ``torch.chunk`` rows of the (V, d) weight); None: the forward sees all V rows."""
 
+    sequence_mesh: DeviceMesh | None = None
+    """The 1-D device mesh whose ranks each hold a contiguous ``torch.chunk`` of the sequence
+    positions at the blocks' outputs (sequence parallelism); None: a rank's block outputs cover
+    its whole micro-batch."""
+
+    def block_positions(self, per_position: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's part of a (..., T) per-position tensor of the micro-batch (targets, token
+        ids) at the blocks' outputs: its `sequence_mesh` chunk of the last dimension."""
+        mesh = self.sequence_mesh
+        if mesh is None or per_position is None:
+            return per_position
+        start, stop = vocab_shard_rows(mesh, per_position.shape[-1])
+        return per_position[..., start:stop]
+
+    @property
+    def block_stats_over(self) -> str:
+        """The `Stat` scope of statistics of the blocks' outputs: "world" when the ranks of a
+        sequence-parallel group hold distinct positions, else "batch"."""
+        return "batch" if self.sequence_mesh is None else "world"
+
     def head(self) -> nn.Module:
         """The output projection module (owns ``weight``, shape (V, d))."""
         return _get(self.model, self._head)

@@ -31,16 +31,31 @@ class LocalRows(NamedTuple):
     total: int
 
 
+_WORLD: list[dist.ProcessGroup | None] = [None]
+
+
+def set_world(group: dist.ProcessGroup | None) -> None:
+    """The group that stands for the world in aniso_plugins' collectives, for this process: the
+    ranks of its pipeline stage under pipeline parallelism (the ranks that hold the same model
+    part; no statistic crosses stages); None: the default group."""
+    _WORLD[0] = group
+
+
+def world_group() -> dist.ProcessGroup | None:
+    """The group of `set_world` (None: the default group)."""
+    return _WORLD[0]
+
+
 def is_distributed() -> bool:
-    """True when a default process group exists with more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    """True when the world (`world_group`) has more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(_WORLD[0]) > 1
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the default group; (0, 1) without torch.distributed."""
+    """(rank, size) in the world (`world_group`); (0, 1) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(_WORLD[0]), dist.get_world_size(_WORLD[0])
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -148,4 +163,4 @@ def full_rows(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-__all__ = ["LocalRows", "ceil_div", "chunk_bounds", "full_rows", "is_distributed", "local_rows", "mesh_rows", "rank_and_world", "VocabShard", "vocab_shard_rows"]
+__all__ = ["LocalRows", "ceil_div", "chunk_bounds", "full_rows", "is_distributed", "local_rows", "mesh_rows", "rank_and_world", "set_world", "VocabShard", "vocab_shard_rows", "world_group"]

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from aniso_plugins.numerics.distributed import is_distributed
+from aniso_plugins.numerics.distributed import is_distributed, world_group
 
 ROW_BLOCK = 1024
 """Rows processed at a time wherever a (rows × V) intermediate is formed (fused cross-entropy
@@ -118,6 +118,7 @@ def all_reduce_sum_shared(tensor: torch.Tensor, group: dist.ProcessGroup | None 
     rank."""
     if group is None and not is_distributed():
         return tensor
+    group = world_group() if group is None else group
     if dist.get_world_size(group) == 1:
         return tensor
     return _SumMeanGrad.apply(tensor, group)

@@ -21,7 +21,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
-from aniso_plugins.numerics.distributed import is_distributed
+from aniso_plugins.numerics.distributed import is_distributed, world_group
 
 ReduceOp = Literal["sum", "max", "min", "lse"]
 
@@ -51,7 +51,8 @@ def reduce_stats(
     group: dist.ProcessGroup | None = None,
     batch_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Combine `stats` across ranks: ``over="world"`` ones over `group` (default: the world),
+    """Combine `stats` across ranks: ``over="world"`` ones over `group` (default: the world,
+    `aniso_plugins.numerics.distributed.world_group`),
     ``over="batch"`` ones over `batch_group` (default: `group`).
 
     Every rank must call this with the same names, shapes, dtypes, ops and scopes, in any
@@ -66,6 +67,7 @@ def reduce_stats(
             raise ValueError(f"statistic {name!r}: over must be 'world' or 'batch', got {stat.over!r}")
     if not is_distributed():
         return {name: stat.value.detach() for name, stat in stats.items()}
+    group = world_group() if group is None else group
 
     out: dict[str, torch.Tensor] = {}
     classes: dict[tuple[torch.dtype, torch.device, str, str], list[str]] = {}

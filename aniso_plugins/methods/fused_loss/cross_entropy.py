@@ -275,18 +275,25 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if want_dx:
                 dx = dx.reshape(hidden.shape)
         ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
+        ctx.scaled_by = None
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        if ctx.grads is None:
+        """The gradients computed in forward, scaled by `grad` in place once. A second backward
+        through the same forward (zero-bubble pipeline schedules run one for the inputs' and
+        one for the weights' gradients, with the graph retained) gets the same tensors, for the
+        same `grad` only."""
+        if ctx.scaled_by is None:
+            ctx.grads = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
+            ctx.scaled_by = grad.detach().clone()
+        elif not torch.equal(grad.detach(), ctx.scaled_by):
             raise RuntimeError(
-                "fused_linear_cross_entropy: backward can run once per forward (the gradients are computed in forward)"
+                "fused_linear_cross_entropy: a second backward with another output gradient than the first "
+                f"({float(grad)} after {float(ctx.scaled_by)}); the gradients are computed in forward and scaled once"
             )
-        out = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
-        ctx.grads = None
-        return (*out, None, None, None, None, None, None, None, None, None)
+        return (*ctx.grads, None, None, None, None, None, None, None, None, None)
 
 
 def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
@@ -331,8 +338,8 @@ def fused_linear_cross_entropy(
     Peak extra memory: one logits chunk (`chunk_size` × V; `chunk_size` None: the rows of
     `default_chunk_rows`, at most 512 MiB) and its temporaries beyond the gradients dW (V × d,
     in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are
-    computed in the forward (skipped when grad mode is off, e.g. validation), so the backward
-    may run once. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
+    computed in the forward (skipped when grad mode is off, e.g. validation); a second backward
+    (with the graph retained) returns them again for the same output gradient. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
     as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
     goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of

@@ -30,7 +30,7 @@ import torch
 
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
-from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
@@ -65,6 +65,13 @@ class EthayarajhPlugin(Plugin):
         self._warned: set[str] = set()
 
     def setup(self, model: ModelHandle) -> None:
+        if model.sequence_mesh is not None:
+            raise SetupError(
+                "metrics=('ethayarajh', ...) under sequence parallelism: IntraSim compares each token with its whole "
+                f"sentence, which the {model.sequence_mesh.size()} ranks of {model.sequence_mesh.mesh_dim_names} hold "
+                "in pieces; turn sequence parallelism off (torchtitan: --parallelism.no-enable-sequence-parallel) "
+                "or measure it without tensor parallelism"
+            )
         self.layers = model.hook_blocks(self._hook, "EthayarajhPlugin ('ethayarajh' in metrics)")
 
     @hookimpl

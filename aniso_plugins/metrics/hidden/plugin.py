@@ -32,7 +32,7 @@ from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.geometry.stats import mean_cosine_finish, mean_cosine_stats
 from aniso_plugins.numerics.distributed import rank_and_world
-from aniso_plugins.numerics.reduce import Stat, batch_scope
+from aniso_plugins.numerics.reduce import Stat
 
 
 class HiddenStatesPlugin(Plugin):
@@ -76,7 +76,7 @@ class HiddenStatesPlugin(Plugin):
             self._done.add(index)
             x = x.detach()
             flat = x.reshape(-1, x.shape[-1])
-            t = self._targets
+            t = self.model.block_positions(self._targets)
             if t is not None and tuple(t.shape) == tuple(x.shape[:-1]):
                 flat = flat[(t.reshape(-1) != self.config.ignore_index).to(flat.device)]
             pick = torch.randperm(flat.shape[0], generator=self._generator)[: self.config.hidden_samples]
@@ -93,7 +93,7 @@ class HiddenStatesPlugin(Plugin):
             stats |= self._stats.get(i) or mean_cosine_stats(
                 torch.zeros(0, self.model.hidden_size, device=device), f"hidden/layer_{i}/"
             )
-        return batch_scope(stats)
+        return {name: stat._replace(over=self.model.block_stats_over) for name, stat in stats.items()}
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         layers = range(self.layers)
