@@ -79,6 +79,7 @@ from torch import nn
 
 from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession, sequence_ids
 from aniso_plugins.core.targets import MicroBatchTargets
+from aniso_plugins.integrations.torchtitan_layout import TitanLayout, layout_of
 from aniso_plugins.numerics.distributed import set_world
 
 try:
@@ -272,73 +273,6 @@ class AnisoCheckpointManager(CheckpointManager):
 
 
 # --- the connection between one trainer and one session ----------------------------------------
-@dataclass(frozen=True)
-class TitanLayout:
-    """What the session needs of torchtitan's parallel layout (`layout_of`).
-
-    data_parallel: ranks over which torchtitan sums each parameter's gradient (dp_replicate ×
-        dp_shard): a term identical on every rank is added with weight 1 / data_parallel;
-    batch_group: the ranks whose micro-batches are distinct parts of the global batch
-        (torchtitan's ``loss`` mesh: batch × cp), over which token counts reduce;
-    batch_copies: the ranks holding each micro-batch (the TP degree);
-    vocab_mesh: the ``tp`` mesh, whose ranks hold vocabulary shards of the head (None: no TP);
-    sequence_mesh: the ``tp`` mesh under sequence parallelism, whose ranks hold chunks of the
-        positions at the blocks' outputs (None: no TP, or sequence parallelism off);
-    stage_group: under pipeline parallelism, the ranks of this rank's pipeline stage, which
-        stand for the world in aniso_plugins' collectives (None: no PP);
-    pipeline_micro_batches: the loss calls per forward-backward (PP micro-batches; 1 without PP)."""
-
-    data_parallel: int
-    batch_group: Any
-    batch_copies: int
-    vocab_mesh: Any
-    sequence_mesh: Any
-    stage_group: Any = None
-    pipeline_micro_batches: int = 1
-
-
-def layout_of(parallel_dims, sequence_parallel: bool = True, pipeline_micro_batches: int = 1) -> TitanLayout:
-    """The `TitanLayout` of a run, after refusing the layouts the adapter cannot make exact
-    (each refusal names the layout and the way out). Collective under pipeline parallelism
-    (every rank creates the stage groups)."""
-    pd = parallel_dims
-    unsupported = {name: getattr(pd, name) for name in ("cp", "ep") if getattr(pd, name) > 1}
-    if unsupported:
-        raise SetupError(
-            f"aniso_plugins does not support {unsupported} yet (data parallelism over dp_replicate and dp_shard, "
-            "tensor and pipeline parallelism are supported): set those degrees to 1"
-        )
-    if pd.tp > 1 and pd.spmd_backend != "spmd_types":
-        raise SetupError(
-            f"tensor parallelism with --parallelism.spmd_backend {pd.spmd_backend}: aniso_plugins computes the LM "
-            "head's loss on each rank's vocabulary shard as plain tensors, as torchtitan's default 'spmd_types' "
-            "backend gives them; use the default backend"
-        )
-    batch = pd.get_optional_mesh("loss", include_singleton_axes=True)
-    tp = pd.get_optional_mesh("tp") if pd.tp > 1 else None
-    return TitanLayout(
-        data_parallel=pd.dp_replicate * pd.dp_shard,
-        batch_group=None if batch is None else batch.get_group(),
-        batch_copies=pd.tp,
-        vocab_mesh=tp,
-        sequence_mesh=tp if sequence_parallel else None,
-        stage_group=_stage_group(pd.pp) if pd.pp > 1 else None,
-        pipeline_micro_batches=pipeline_micro_batches if pd.pp > 1 else 1,
-    )
-
-
-def _stage_group(pp: int):
-    """The ranks of this rank's pipeline stage: torchtitan's meshes put ``pp`` outermost, so
-    stage s holds the ranks ``[s·n, (s + 1)·n)``, n = world / pp. Every rank creates every
-    stage's group (``new_group`` is collective) and keeps its own."""
-    import torch.distributed as dist
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    n = world // pp
-    groups = [dist.new_group(list(range(s * n, (s + 1) * n))) for s in range(pp)]
-    return groups[rank // n]
-
-
 def _layout(trainer: Trainer) -> TitanLayout:
     return layout_of(trainer.parallel_dims, trainer.config.parallelism.enable_sequence_parallel,
                      getattr(trainer, "num_pipeline_parallel_microbatches", 1))
@@ -360,6 +294,33 @@ def _refuse_split_blocks(config: AnisoConfig, parallel_dims) -> None:
         )
 
 
+def _check_setup(trainer: Trainer, config: AnisoConfig) -> AnisoChunkedLoss:
+    """Refuse what the adapter cannot run (each error names the fix); returns the trainer's loss."""
+    loss = getattr(trainer, "loss_fn", None)
+    if not isinstance(loss, AnisoChunkedLoss):
+        raise SetupError(
+            f"aniso_plugins needs the loss AnisoChunkedLoss (torchtitan's ChunkedLossWrapper with aniso "
+            f"events), got {type(loss).__name__}: use aniso_trainer_config / the aniso_loss override "
+            "on a recipe whose loss is ChunkedLossWrapper"
+        )
+    if loss.runtime is not None:
+        raise SetupError("this AnisoChunkedLoss is already connected to a trainer")
+    if not trainer.config.training.disable_cuda_graphs:
+        raise SetupError(
+            "training.disable_cuda_graphs=False: aniso_plugins runs Python in the loss on every micro-batch "
+            "(token counters, AGG gates, loss terms), which a captured CUDA graph would freeze; "
+            "pass --training.disable_cuda_graphs"
+        )
+    if config.ignore_index != IGNORE_INDEX:
+        raise ConfigError(f"ignore_index={config.ignore_index!r}: torchtitan's labels use {IGNORE_INDEX}")
+    if config.head != "keep":
+        raise ConfigError(
+            f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
+            "from its config; untie with the model config's enable_weight_tying=False)"
+        )
+    return loss
+
+
 class AnisoRuntime:
     """One `TrainingSession` connected to one built torchtitan ``Trainer``.
 
@@ -377,6 +338,7 @@ class AnisoRuntime:
         """The runtime of this rank, or None on a pipeline stage without the LM head (there is
         nothing to count, gate or measure there; the stage's ranks run stock torchtitan).
         Collective: every rank calls it (the pipeline stages' groups are created here)."""
+        _refuse_split_blocks(config, trainer.parallel_dims)
         layout = _layout(trainer)
         set_world(layout.stage_group)
         if _head_part(trainer) is None:
@@ -385,33 +347,12 @@ class AnisoRuntime:
         return cls(trainer, config, checkpointer, layout)
 
     def __init__(self, trainer: Trainer, config: AnisoConfig, checkpointer, layout: TitanLayout | None = None) -> None:
-        loss = getattr(trainer, "loss_fn", None)
-        if not isinstance(loss, AnisoChunkedLoss):
-            raise SetupError(
-                f"aniso_plugins needs the loss AnisoChunkedLoss (torchtitan's ChunkedLossWrapper with aniso "
-                f"events), got {type(loss).__name__}: use aniso_trainer_config / the aniso_loss override "
-                "on a recipe whose loss is ChunkedLossWrapper"
-            )
-        if loss.runtime is not None:
-            raise SetupError("this AnisoChunkedLoss is already connected to a trainer")
-        if not trainer.config.training.disable_cuda_graphs:
-            raise SetupError(
-                "training.disable_cuda_graphs=False: aniso_plugins runs Python in the loss on every micro-batch "
-                "(token counters, AGG gates, loss terms), which a captured CUDA graph would freeze; "
-                "pass --training.disable_cuda_graphs"
-            )
-        if config.ignore_index != IGNORE_INDEX:
-            raise ConfigError(f"ignore_index={config.ignore_index!r}: torchtitan's labels use {IGNORE_INDEX}")
-        if config.head != "keep":
-            raise ConfigError(
-                f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
-                "from its config; untie with the model config's enable_weight_tying=False)"
-            )
+        loss = _check_setup(trainer, config)
+        _refuse_split_blocks(config, trainer.parallel_dims)
         layout = layout if layout is not None else _layout(trainer)
         model = _head_part(trainer)
         if model is None:
             raise SetupError("aniso_plugins: no model part of this rank holds the LM head (use AnisoRuntime.connect)")
-        _refuse_split_blocks(config, trainer.parallel_dims)
         session = TrainingSession(config)
         self.layout = layout
         self.trainer = trainer

@@ -134,6 +134,7 @@ def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, pp=1, cp=1, ba
         parallel_dims=SimpleNamespace(tp=tp, cp=cp, pp=pp, ep=1, dp_replicate=dp_replicate, dp_shard=dp_shard,
                                       spmd_backend=backend, get_optional_mesh=lambda *a, **k: None),
         optimizers=SimpleNamespace(register_step_post_hook=lambda hook: None),
+        forward_backward_step=lambda **kwargs: None,
         metrics_processor=SimpleNamespace(),
     )
 
@@ -152,7 +153,7 @@ def _chunked_loss(inner: str | None):
     [
         (dict(graphs_off=False), {}, SetupError, "disable_cuda_graphs"),
         (dict(tp=2, backend="partial_dtensor"), {}, SetupError, "default 'spmd_types' backend"),
-        (dict(pp=2), {}, SetupError, "'pp': 2"),
+        (dict(pp=2), dict(metrics=("hidden",)), SetupError, "split over the pipeline stages"),
         (dict(cp=2), {}, SetupError, "'cp': 2"),
         ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
@@ -169,7 +170,7 @@ def test_unsupported_setups_raise_before_training(trainer_kw, config_kw, error, 
 
     trainer = _fake_trainer(**trainer_kw)
     with pytest.raises(error, match=match):
-        AnisoRuntime(trainer, AnisoConfig(metrics=(), **config_kw), SimpleNamespace(enable=False))
+        AnisoRuntime(trainer, AnisoConfig(**{"metrics": (), **config_kw}), SimpleNamespace(enable=False))
     head = trainer.model_parts[0].lm_head
     assert "forward" not in head.__dict__ and not head._forward_hooks  # nothing stays set up
 

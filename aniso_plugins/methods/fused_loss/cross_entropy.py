@@ -14,6 +14,15 @@ target entries are corrected at the end with one index_add (docs/performance.md 
 Ignored rows (``ignore_index``) are skipped: they have no loss and no gradient. Label smoothing ε
 (as transformers' ``LabelSmoother``) adds ε·mean_k(−log p_ik) to each row's (1 − ε)·CE: in the
 same pass, one more row sum of the logits chunk.
+
+Vocabulary parallel (``shard``, tensor parallelism with loss parallel): `weight` and `bias` hold
+the ids ``[shard.start, shard.stop)`` of ``shard.total``, and every rank of ``shard.group`` calls
+the op with the same hidden states and global targets (and row gates). Each chunk's logits are
+the shard's only; their row maxima, then their sums of exp, target logits and logit sums are
+all-reduced over the group (two all-reduces of a few values per row per chunk), so the loss,
+identical on every rank, is the whole vocabulary's; dW and db are the shard's rows and dX is the
+shard's part ``G_shard W_shard``, which the ranks sum (torchtitan's sharding of the head's input
+does). Per rank: one chunk of ``chunk_size × V/tp`` logits and dW of ``V/tp × d``, never V × d.
 """
 
 from __future__ import annotations
@@ -229,9 +238,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             ys = y[rows]
             w = weight.to(compute)
             b = None if bias is None else bias.to(compute)
-            dx = torch.zeros(X.shape, dtype=hidden.dtype, device=X.device) if want_dx else None
-            dw = torch.zeros(v, d, dtype=acc, device=X.device) if want_dw else None
-            db = torch.zeros(v, dtype=acc, device=X.device) if want_db else None
+            dx, dw, db = (torch.zeros(shape, dtype=dtype, device=X.device) if want else None for want, shape, dtype in
+                          ((want_dx, X.shape, hidden.dtype), (want_dw, (v, d), acc), (want_db, (v,), acc)))
             tv = torch.empty(n, dtype=acc, device=X.device) if gates is not None and want_dw else None
             row = torch.empty(n, dtype=acc, device=X.device)  # p_{i,y_i}; −log p_{i,y_i} for a shard
             smooth = torch.empty(n, dtype=acc, device=X.device) if smoothing else None
@@ -345,16 +353,7 @@ def fused_linear_cross_entropy(
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
     rows, elsewhere through one V × d buffer: `aniso_plugins.methods.fused_loss.gemm.addmm_in_`).
     `weight` must be the full (V, d) tensor (under FSDP2 call it where the head parameter is
-    unsharded), or with `shard` a vocabulary shard of it.
-
-    shard: vocabulary parallel (tensor parallelism with loss parallel): `weight` and `bias` hold
-    the ids ``[shard.start, shard.stop)`` of ``shard.total``, and every rank of ``shard.group``
-    calls this with the same `hidden` and global `targets` (and `row_gates`). Each chunk's
-    logits are this shard's only; its row maxima, sums of exp, target logits and logit sums are
-    all-reduced over the group (two all-reduces per chunk), so the loss, identical on every
-    rank, is that of the whole vocabulary; dW and db are this shard's rows and dX is this
-    shard's part, ``G_shard W_shard``, which the ranks sum (torchtitan's sharding of the head's
-    input does). Per rank: one chunk of ``chunk_size × V/tp`` logits, dW of ``V/tp × d``.
+    unsharded), or with `shard` a vocabulary shard of it (see the module docstring).
     """
     check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy", shard)
     dtypes = compute_dtypes(hidden, weight)
