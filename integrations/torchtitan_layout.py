@@ -41,11 +41,12 @@ def layout_of(parallel_dims, sequence_parallel: bool = True, pipeline_micro_batc
     (each refusal names the layout and the way out). Collective under pipeline parallelism
     (every rank creates the stage groups)."""
     pd = parallel_dims
-    unsupported = {name: getattr(pd, name) for name in ("cp", "ep") if getattr(pd, name) > 1}
-    if unsupported:
+    if pd.cp > 1:
         raise SetupError(
-            f"aniso_plugins does not support {unsupported} yet (data parallelism over dp_replicate and dp_shard, "
-            "tensor and pipeline parallelism are supported): set those degrees to 1"
+            f"context parallelism (cp={pd.cp}) is refused: each rank would hold a slice of every sequence, which "
+            "SimCTG's pairs and IntraSim's sentences need whole, and the adapter's exactness is unverified there "
+            "(torchtitan 0.3.0 does not run context parallelism on the CPU: SDPA has no context-parallel path on the "
+            "default backend); set --parallelism.context_parallel_degree 1"
         )
     if pd.tp > 1 and pd.spmd_backend != "spmd_types":
         raise SetupError(

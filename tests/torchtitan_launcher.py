@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 tests/torchtitan_launcher.py --module M --config F  # 2 ranks
 
 torchtitan 0.3.0 has no CPU path; before ``torchtitan.train.main``
-this launcher applies the three patches that make it run:
+this launcher applies the patches that make it run:
 
 1. device: ``device_type = "cpu"`` and a small stand-in for ``torch.cuda`` in the modules that
    imported them (set_device, memory statistics, synchronize, ...);
@@ -13,7 +13,9 @@ this launcher applies the three patches that make it run:
    to 1, so the gradients are unchanged;
 3. attention: FlexAttention has no CPU backward, so the test recipes in this module swap in
    SDPA (plain causal attention; every test document is exactly one sample, so the document
-   mask would change nothing).
+   mask would change nothing);
+4. expert parallelism: gloo's list ``all_to_all`` needs equal chunks; the token dispatcher's
+   uneven ones go through ``all_to_all_single`` with split sizes.
 
 The test recipes (`cpu_stock`, `cpu_aniso`) shrink llama3's debug model (2 layers) for speed;
 `cpu_aniso_6_layers` keeps its 6 layers (benchmarks/torchtitan_step.py).
@@ -97,6 +99,7 @@ def patch_torchtitan_for_cpu() -> None:
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = _CPUDevice
+    _all_to_all_through_splits()
     if getattr(tt_fsdp.disable_fsdp_gradient_division, "_sum_for_gloo", False):
         return
     original = tt_fsdp.disable_fsdp_gradient_division
@@ -109,6 +112,30 @@ def patch_torchtitan_for_cpu() -> None:
 
     disable_division_and_premul_sum._sum_for_gloo = True
     tt_fsdp.disable_fsdp_gradient_division = disable_division_and_premul_sum
+
+
+def _all_to_all_through_splits() -> None:
+    """Patch 4 (expert parallelism): gloo's list ``all_to_all`` needs equal chunks, but the
+    token dispatcher sends each rank the tokens routed to its experts (uneven); route it through
+    ``all_to_all_single`` with split sizes, which gloo supports. Same values. Idempotent."""
+    import torch.distributed as dist
+
+    if getattr(dist.all_to_all, "_through_splits", False):
+        return
+    original = dist.all_to_all
+
+    def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+        if async_op or len({t.shape[1:] for t in [*input_tensor_list, *output_tensor_list]}) != 1:
+            return original(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        out = torch.cat(output_tensor_list)
+        dist.all_to_all_single(out, torch.cat(input_tensor_list), [t.shape[0] for t in output_tensor_list],
+                               [t.shape[0] for t in input_tensor_list], group=group)
+        for target, piece in zip(output_tensor_list, out.split([t.shape[0] for t in output_tensor_list])):
+            target.copy_(piece)
+        return None
+
+    all_to_all._through_splits = True
+    dist.all_to_all = all_to_all
 
 
 # --- 3. test recipes -----------------------------------------------------------------------------
@@ -157,6 +184,21 @@ def cpu_aniso():
     from aniso_plugins.integrations.torchtitan import llama3_debugmodel_aniso
 
     return _cpu(llama3_debugmodel_aniso())
+
+
+def cpu_moe_stock():
+    """torchtitan's ``qwen3_moe_debug`` (a small Qwen3 mixture of experts, stock Trainer), shrunk for CPU."""
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    return _cpu(qwen3_moe_debug())
+
+
+def cpu_moe_aniso():
+    """`cpu_moe_stock` as an aniso recipe (`aniso_trainer_config`)."""
+    from aniso_plugins.integrations.torchtitan import aniso_trainer_config
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    return _cpu(aniso_trainer_config(qwen3_moe_debug()))
 
 
 def cpu_aniso_6_layers():
