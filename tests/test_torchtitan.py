@@ -8,15 +8,12 @@ weights. They run once per module, a few at a time, and the tests compare their 
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -26,10 +23,8 @@ pytest.importorskip("torchtitan")
 from aniso_plugins import AnisoConfig, ConfigError, SetupError, hookimpl  # noqa: E402
 from references import agg_output_grad  # noqa: E402
 from torchtitan_data import rank_order, write_assets  # noqa: E402
+from torchtitan_runs import Launcher  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-LAUNCHER = os.path.join(HERE, "torchtitan_launcher.py")
 MOD = "aniso_plugins.integrations.torchtitan"
 SEQ, LOCAL, WORLD2_LOCAL, N_DOCS = 32, 4, 2, 64
 AGG = ["--aniso.method", "agg", "--aniso.alpha", "2.5", "--aniso.window", "3"]
@@ -199,110 +194,6 @@ def test_checkpoint_state_round_trips_and_refuses_another_configuration():
         runtime(alpha=0.5).load_state_dict(blob)
 
 
-# --- running torchtitan ------------------------------------------------------------------------
-@dataclass
-class Run:
-    name: str
-    folder: str
-    proc: subprocess.Popen
-    log: str
-    dump: str
-    world: int
-
-    def result(self) -> dict:
-        rc = self.proc.wait()
-        with open(self.log) as f:
-            out = f.read()
-        if rc != 0:
-            raise AssertionError(f"torchtitan run {self.name!r} failed (exit {rc}):\n{out[-6000:]}")
-        record = torch.load(self.dump, weights_only=False) if os.path.exists(self.dump) else {}
-        record["log"] = out
-        record["tb"] = _tensorboard(self.folder)
-        record["folder"] = self.folder
-        return record
-
-
-def _tensorboard(folder: str) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    scalars: dict[str, dict[int, float]] = {}
-    for events in glob.glob(os.path.join(folder, "tb", "*")):
-        acc = EventAccumulator(events)
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            scalars.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return scalars
-
-
-class Launcher:
-    """Runs jobs in `root/<name>`, at most `parallel` processes at once, each after the jobs it
-    depends on (and after their `prepare` step)."""
-
-    def __init__(self, root: str, assets: dict[str, str], parallel: int = 3) -> None:
-        self.root, self.assets, self.parallel = root, assets, parallel
-
-    def command(
-        self, name: str, config: str, args: list[str], world: int, local: int, data: str | None = None
-    ) -> tuple[list[str], dict, str]:
-        folder = os.path.join(self.root, name)
-        os.makedirs(folder, exist_ok=True)
-        env = dict(
-            os.environ,
-            PYTHONPATH=os.pathsep.join([ROOT, HERE, os.environ.get("PYTHONPATH", "")]),
-            HF_DATASETS_CACHE=os.path.join(self.root, "hf_cache"),
-            HF_HUB_OFFLINE="1",
-            OMP_NUM_THREADS="1",
-            ANISO_TT_DUMP=os.path.join(folder, "record.pt"),
-        )
-        env.pop("RANK", None)
-        head = [sys.executable, LAUNCHER]
-        if world > 1:
-            head = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                    "--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", LAUNCHER]
-        cmd = head + [
-            "--module", "torchtitan_launcher", "--config", config,
-            "--hf_assets_path", self.assets["tokenizer"], "--dataloader.dataset_path", self.assets[data or f"data_w{world}"],
-            "--dump_folder", folder, "--training.local_batch_size", str(local),
-            "--checkpoint.enable", *args,
-        ]  # fmt: skip
-        return cmd, env, folder
-
-    def run_all(self, jobs: list[dict]) -> dict[str, dict]:
-        """`jobs`: dicts with name, config, args, and optionally world, local (batch per rank and
-        micro-batch), after (names), prepare (called with the finished results before the job
-        starts). Returns name -> result."""
-        pending, running, done = list(jobs), {}, {}
-        try:
-            self._loop(pending, running, done)
-        finally:
-            for run in running.values():
-                run.proc.kill()
-        return done
-
-    def _loop(self, pending: list[dict], running: dict[str, Run], done: dict[str, dict]) -> None:
-        while pending or running:
-            for name, run in list(running.items()):
-                if run.proc.poll() is not None:
-                    done[name] = running.pop(name).result()
-            for job in list(pending):
-                if not all(dep in done for dep in job.get("after", ())):
-                    continue
-                busy = sum(r.world for r in running.values())
-                if busy and busy + job.get("world", 1) > self.parallel:
-                    break
-                pending.remove(job)
-                if job.get("prepare"):
-                    job["prepare"](done)
-                world = job.get("world", 1)
-                local = job.get("local", LOCAL if world == 1 else WORLD2_LOCAL)
-                cmd, env, folder = self.command(job["name"], job["config"], job["args"], world, local, job.get("data"))
-                log = os.path.join(folder, "out.log")
-                with open(log, "w") as f:
-                    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=f, stderr=subprocess.STDOUT)
-                running[job["name"]] = Run(job["name"], folder, proc, log, env["ANISO_TT_DUMP"], job.get("world", 1))
-            time.sleep(0.2)
-
-
 def _copy_checkpoint(src: str, dst: str, step: int) -> None:
     shutil.copytree(os.path.join(src, "checkpoint", f"step-{step}"), os.path.join(dst, "checkpoint", f"step-{step}"))
 
@@ -318,7 +209,7 @@ OVERRIDES = [
 def runs(tmp_path_factory) -> dict[str, dict]:
     root = str(tmp_path_factory.mktemp("titan"))
     assets = write_assets(os.path.join(root, "assets"), seq_len=SEQ, n_docs=N_DOCS, local_batch=WORLD2_LOCAL)
-    launcher = Launcher(root, assets)
+    launcher = Launcher(root, assets, local=LOCAL, world_local=WORLD2_LOCAL)
     # 1-rank runs start from torchtitan's seeded initialization; the 2-rank ones load it from a
     # seed checkpoint (FSDP2 initializes shards from per-rank random streams on CPU).
     seed = ["--checkpoint.initial_load_path", os.path.join(root, "seed", "checkpoint", "step-0")]
