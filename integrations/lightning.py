@@ -176,6 +176,7 @@ class AnisoCallback(pl.Callback):
             self.detach(keep_head=True)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._refuse_tensor_parallel_head()
         acc = trainer.accumulate_grad_batches
         self.session.begin_training(
             epoch_steps=self.session.epoch_length(trainer.num_training_batches, acc),
@@ -183,6 +184,27 @@ class AnisoCallback(pl.Callback):
             accumulation_steps=acc,
             grad_scaler=getattr(trainer.precision_plugin, "scaler", None),  # 16-mixed AMP
         )
+
+    def _refuse_tensor_parallel_head(self) -> None:
+        """`ModelParallelStrategy` with ``tensor_parallel_size > 1`` whose ``configure_model``
+        made the LM head tensor-parallel: its weight stays a ``tensor_parallel`` DTensor inside
+        the forward, which the methods and metrics here do not read shard by shard. Refused
+        before the first step, the model left as it was (torchtitan's adapter does TP)."""
+        from torch.distributed.tensor import DTensor
+
+        weight = self.session.handle.head().weight if self.session.handle is not None else None
+        if not isinstance(weight, DTensor):
+            return
+        names = weight.device_mesh.mesh_dim_names or ()
+        sharded = [n for n, p in zip(names, weight.placements) if n == "tensor_parallel" and not p.is_replicate()]
+        if sharded:
+            self.detach()
+            raise SetupError(
+                f"the LM head's weight is tensor-parallel ({weight.placements} on {names}): the Lightning adapter "
+                "reads the head whole inside its forward (the DDP and FSDP2 layouts); leave the LM head out of the "
+                "plan your configure_model gives parallelize_module (tensor-parallel blocks are fine), or train with "
+                "torchtitan, whose adapter has the vocabulary-parallel head"
+            )
 
     # --- training ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:

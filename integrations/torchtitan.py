@@ -284,6 +284,15 @@ def _head_part(trainer: Trainer) -> nn.Module | None:
     return next((part for part in reversed(trainer.model_parts) if getattr(part, "lm_head", None) is not None), None)
 
 
+def _splits_backward(schedule) -> bool:
+    """Whether a pipeline schedule runs separate input- and weight-gradient backwards (zero bubble)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(action is not None and action.computation_type == _ComputationType.BACKWARD_INPUT
+               for actions in order.values() for action in actions)
+
+
 def _refuse_split_blocks(config: AnisoConfig, parallel_dims) -> None:
     """Metrics of every block's outputs cannot be measured where pipeline stages split the blocks."""
     split = [m for m in config.metrics if m in ("hidden", "ethayarajh")]
@@ -360,7 +369,9 @@ class AnisoRuntime:
         # the loss can come from the head only where it is the plain cross-entropy the head computes
         plain = type(loss.loss_fn) is CrossEntropyLoss
         why_not = "" if plain else f"the inner loss is {type(loss.loss_fn).__name__}, not torchtitan's cross-entropy"
-        session.setup(TitanModelHandle(model, layout.vocab_mesh, layout.sequence_mesh), owns_loss=plain, why_not=why_not)
+        handle = TitanModelHandle(model, layout.vocab_mesh, layout.sequence_mesh)
+        handle.backward_runs_twice = _splits_backward(getattr(trainer, "pp_schedule", None))
+        session.setup(handle, owns_loss=plain, why_not=why_not)
         try:  # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
             session.begin_training(
                 start_step=trainer.step,

@@ -5,8 +5,8 @@ fresh virtual environment that holds the built wheel (no source tree on ``sys.pa
 
 Each stage needs the extras installed before it (`.ci/run` adds them one group at a time, so a
 stage also proves that its extra pulls in what it imports): ``core`` the bare wheel, ``hf`` and
-``report`` and ``postprocess`` ``[hf,report,sentences]``, ``lightning`` ``[lightning]``,
-``torchtitan`` ``[torchtitan]``. Every stage writes under ``$ANISO_SMOKE_DIR`` (default: a new
+``report`` and ``postprocess`` ``[hf,report,sentences]``, ``lightning`` and ``torchtitan``
+``[lightning,torchtitan]``. Every stage writes under ``$ANISO_SMOKE_DIR`` (default: a new
 temporary folder); ``hf`` saves the tiny checkpoints the ``report`` and ``postprocess`` stages
 read. Nothing is downloaded: the models are built from configs, the text is Python's own help
 topics. Exit 0 when every stage passed; a failing stage raises.

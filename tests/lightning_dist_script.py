@@ -1,8 +1,9 @@
-"""Run by tests/test_lightning.py: `python lightning_dist_script.py single|ddp|fsdp2 OUT`.
+"""Run by tests/test_lightning.py: `python lightning_dist_script.py single|ddp|fsdp2|tp OUT`.
 
 single: one process, batch size 4; ddp / fsdp2: two CPU processes (gloo), batch size 2 each,
 the same global batches (DistributedSampler, no shuffle). AGG + a loss-term plugin + geometry
-metrics; each rank writes its counters and logged metrics to OUT/<mode><rank>.json."""
+metrics; each rank writes its counters and logged metrics to OUT/<mode><rank>.json. tp: tensor parallel
+size 2 with the LM head in the plan, which the callback refuses before the first step."""
 
 import json
 import os
@@ -37,13 +38,21 @@ elif mode == "ddp":
 else:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    kw = dict(devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))
+    tp = 2 if mode == "tp" else 1
+    kw = dict(devices=2, strategy=ModelParallelStrategy(data_parallel_size=2 // tp, tensor_parallel_size=tp))
 trainer = pl.Trainer(
     accelerator="cpu", max_steps=3, log_every_n_steps=1, logger=False, enable_checkpointing=False,
     enable_progress_bar=False, enable_model_summary=False, callbacks=[cb, record], use_distributed_sampler=False,
     **kw,
 )
 class Module(LitLM):
+    def configure_model(self) -> None:
+        if mode != "tp":
+            return super().configure_model()
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+        parallelize_module(self.model, self.device_mesh["tensor_parallel"], {"lm_head": ColwiseParallel()})
+
     def train_dataloader(self):  # built after the process group exists: explicit, unshuffled shards
         data = loader(batch_size=4 if mode == "single" else 2)
         if mode == "single":
@@ -52,7 +61,7 @@ class Module(LitLM):
         return torch.utils.data.DataLoader(data.dataset, batch_size=2, sampler=sampler)
 
 
-trainer.fit(Module())
+trainer.fit(Module(tied=mode != "tp"))
 state = cb.session.plugins.state_dict()
 result = {
     "state": {f"{ns}/{k}": v.double().flatten().tolist() for ns, d in state.items() for k, v in d.items()},

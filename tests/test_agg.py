@@ -414,6 +414,10 @@ def test_fused_all_ignored_gives_zero_and_errors():
     with torch.no_grad():  # validation: loss only
         torch.testing.assert_close(fused_linear_cross_entropy(h, W, y), F.cross_entropy(F.linear(h, W), y, ignore_index=IGN))
     loss = fused_linear_cross_entropy(h, W, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="once"):
+        loss.backward()
+    loss = fused_linear_cross_entropy(h, W, y, backward_twice=True)
     first = torch.autograd.grad(loss, (h, W), retain_graph=True)
     second = torch.autograd.grad(loss, (h, W), retain_graph=True)  # a zero-bubble pipeline's weight pass
     assert all(torch.equal(a, b) for a, b in zip(first, second))

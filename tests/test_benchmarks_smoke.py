@@ -114,3 +114,14 @@ def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
     assert rows == ["plain", "mle_fused", "agg_fused", "agg_gated"]
     (result,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
     assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
+
+
+@pytest.mark.slow
+def test_vocab_parallel_benchmark_runs_two_ranks_and_their_loss_is_the_one_ranks():
+    """benchmarks/vocab_parallel.py at tiny sizes: one table row per V, the 2-rank loss equal to the 1-rank one."""
+    cmd = [sys.executable, os.path.join(BENCH, "vocab_parallel.py"), "--tokens", "256", "--vocab", "512,1000",
+           "--dim", "16", "--rounds", "1"]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ") and "V |" not in line]
+    assert [r[1].strip() for r in rows] == ["512", "1000"] and all(r[8].strip() == "yes" for r in rows)

@@ -165,6 +165,16 @@ def test_two_processes(tmp_path, strategy):
         assert r[0]["metrics"][name] == pytest.approx(value, rel=1e-5), name
 
 
+@pytest.mark.slow
+def test_tensor_parallel_head_is_refused_before_the_first_step(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([HERE, os.path.join(HERE, "..", "examples")]))
+    script = os.path.join(HERE, "lightning_dist_script.py")
+    out = subprocess.run([sys.executable, script, "tp", str(tmp_path)], env=env, timeout=300, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "SetupError: the LM head's weight is tensor-parallel" in out.stderr and "parallelize_module" in out.stderr
+    assert not (tmp_path / "tp0.json").exists()  # the fit stopped
+
+
 class Observer:
     """Records what the plugins are told: training targets and logged metrics."""
 

@@ -149,7 +149,7 @@ def _chunked_loss(inner: str | None):
         (dict(graphs_off=False), {}, SetupError, "disable_cuda_graphs"),
         (dict(tp=2, backend="partial_dtensor"), {}, SetupError, "default 'spmd_types' backend"),
         (dict(pp=2), dict(metrics=("hidden",)), SetupError, "split over the pipeline stages"),
-        (dict(cp=2), {}, SetupError, "'cp': 2"),
+        (dict(cp=2), {}, SetupError, r"context parallelism \(cp=2\) is refused.*context_parallel_degree 1"),
         ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
         ({}, dict(method="agg"), ConfigError, "--aniso.window"),

@@ -120,3 +120,41 @@ def test_a_vocabulary_shard_per_rank_gives_the_whole_vocabularys_loss_and_gradie
 def _chunks(world: int) -> list[tuple[int, int]]:
     size = -(-V // world)
     return [(min(r * size, V), min(r * size + size, V)) for r in range(world)]
+
+
+class _Mesh:
+    """What the refusals read of a tensor-parallel mesh (its size and name)."""
+
+    mesh_dim_names = ("tp",)
+
+    @staticmethod
+    def size() -> int:
+        return 2
+
+
+def _handle():
+    from torch import nn
+
+    from aniso_plugins import ModelHandle
+
+    model = nn.Module()
+    model.embed, model.blocks, model.lm_head = nn.Embedding(8, 4), nn.ModuleList([nn.Linear(4, 4)]), nn.Linear(4, 8)
+    return ModelHandle(model, head="lm_head", input_embedding="embed", blocks="blocks")
+
+
+@pytest.mark.parametrize(
+    "metric, mesh, match",
+    [("bottleneck", "vocab_mesh", "vocabulary shard of the training logits"),
+     ("ethayarajh", "sequence_mesh", "no-enable-sequence-parallel")],
+)
+def test_metrics_a_layout_cannot_measure_are_refused_at_setup_naming_the_way_out(metric, mesh, match):
+    from aniso_plugins import AnisoConfig, SetupError, TrainingSession
+
+    handle = _handle()
+    setattr(handle, mesh, _Mesh())
+    session = TrainingSession(AnisoConfig(metrics=(metric,), load_entry_points=False))
+    with pytest.raises(SetupError, match=match):
+        session.setup(handle)
+    assert not handle.model.lm_head._forward_hooks and not handle.model.blocks[0]._forward_hooks  # nothing stays
+    plain = TrainingSession(AnisoConfig(metrics=(metric,), load_entry_points=False))
+    plain.setup(_handle())  # the same metric without the layout sets up

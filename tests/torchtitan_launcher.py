@@ -23,6 +23,7 @@ With ``ANISO_TT_DUMP=<file>`` the launcher also records, for the tests, the step
 parameters, LM-head inputs and labels (before the optimizer step), the step-2 gradients and, after training, the
 final parameters and the aniso plugin state (``torch.save`` of plain tensors, rank 0; under
 pipeline parallelism the first rank of every other stage writes its stage's to ``<file>.rank<r>``).
+With ``ANISO_TT_PEAK=<file>`` each rank writes its peak resident set size (KiB) to ``<file>.rank<r>``.
 """
 
 from __future__ import annotations
@@ -292,6 +293,11 @@ def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     torchtitan.train.main()
+    if os.environ.get("ANISO_TT_PEAK"):  # the benchmark's peak memory per rank: the process's peak RSS
+        with open("/proc/self/status") as f:
+            peak = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+        with open(f"{os.environ['ANISO_TT_PEAK']}.rank{os.environ.get('RANK', '0')}", "w") as f:
+            f.write(peak)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ class ModelHandle:
     weight inside its forward (tensor parallelism with loss parallel: a rank's logits are its
     shard's, ``torch.chunk`` rows of the (V, d) weight); None: the forward sees all V rows."""
 
+    backward_runs_twice: bool = False
+    """Whether the trainer runs the backward of one forward twice on the retained graph (zero-bubble
+    pipeline schedules: input gradients, then weight gradients); the fused loss keeps its
+    gradients for the second one."""
     sequence_mesh: DeviceMesh | None = None
     """The 1-D device mesh whose ranks each hold a contiguous ``torch.chunk`` of the sequence
     positions at the blocks' outputs (sequence parallelism); None: a rank's block outputs cover

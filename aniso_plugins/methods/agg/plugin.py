@@ -64,7 +64,8 @@ class AGGPlugin(Plugin):
         head = model.head()
         check_linear_head(head, framework_forward=model.framework_wraps_head_forward)
         self.vocab_size = vocab
-        self.head = TrainingHead(head, ignore_index=config.ignore_index, shard=model.vocab_shard())
+        self.head = TrainingHead(head, ignore_index=config.ignore_index, shard=model.vocab_shard(),
+                                 backward_twice=model.backward_runs_twice)
         self.head.gated = True
         model.on_restore(self.head.remove)
 

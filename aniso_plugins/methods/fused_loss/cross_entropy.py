@@ -226,7 +226,7 @@ def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled,
-                shard):
+                shard, backward_twice):
         compute, acc, _ = dtypes
         v, d = weight.shape
         want_dx, want_dw, want_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
@@ -283,25 +283,32 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if want_dx:
                 dx = dx.reshape(hidden.shape)
         ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
-        ctx.scaled_by = None
+        ctx.scaled_by, ctx.backward_twice = None, backward_twice
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        """The gradients computed in forward, scaled by `grad` in place once. A second backward
-        through the same forward (zero-bubble pipeline schedules run one for the inputs' and
-        one for the weights' gradients, with the graph retained) gets the same tensors, for the
-        same `grad` only."""
+        """The gradients computed in forward, scaled by `grad` in place. Handed over once (no
+        reference kept, so autograd takes them without a copy), or with ``backward_twice`` kept
+        for a second backward through the retained graph with the same `grad` (zero-bubble
+        pipeline schedules run one for the inputs' and one for the weights' gradients)."""
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: backward can run once per forward (the gradients are computed in "
+                "forward); pass backward_twice=True for a schedule that runs it twice"
+            )
         if ctx.scaled_by is None:
-            ctx.grads = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in ctx.grads)
+            grads = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in grads)
             ctx.scaled_by = grad.detach().clone()
         elif not torch.equal(grad.detach(), ctx.scaled_by):
             raise RuntimeError(
                 "fused_linear_cross_entropy: a second backward with another output gradient than the first "
                 f"({float(grad)} after {float(ctx.scaled_by)}); the gradients are computed in forward and scaled once"
             )
-        return (*ctx.grads, None, None, None, None, None, None, None, None, None)
+        ctx.grads = grads if ctx.backward_twice else None
+        return (*grads, None, None, None, None, None, None, None, None, None, None)
 
 
 def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
@@ -328,6 +335,7 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     label_smoothing: float = 0.0,
     shard: VocabShard | None = None,
+    backward_twice: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 
@@ -346,8 +354,8 @@ def fused_linear_cross_entropy(
     Peak extra memory: one logits chunk (`chunk_size` × V; `chunk_size` None: the rows of
     `default_chunk_rows`, at most 512 MiB) and its temporaries beyond the gradients dW (V × d,
     in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are
-    computed in the forward (skipped when grad mode is off, e.g. validation); a second backward
-    (with the graph retained) returns them again for the same output gradient. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
+    computed in the forward (skipped when grad mode is off, e.g. validation), so the backward may
+    run once; `backward_twice`: a second one (retained graph) gets them again, for one more dX + dW. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
     as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
     goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
@@ -372,5 +380,5 @@ def fused_linear_cross_entropy(
     targets = targets.to(hidden.device)
     return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
-        torch.is_grad_enabled(), shard,
+        torch.is_grad_enabled(), shard, backward_twice,
     )

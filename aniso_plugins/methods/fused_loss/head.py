@@ -46,16 +46,18 @@ class TrainingHead:
     shard: under tensor parallelism with loss parallel, the vocabulary shard whose rows
     ``module.weight`` holds inside the forward (`ModelHandle.vocab_mesh`): both forwards then
     run on the shard (`gated_linear` returns the shard's logits; the fused loss is the whole
-    vocabulary's, its reductions over the shard group).
+    vocabulary's, its reductions over the shard group). backward_twice: the trainer runs the
+    backward twice (`ModelHandle.backward_runs_twice`).
     """
 
     def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int | None = None,
-                 shard: VocabShard | None = None) -> None:
+                 shard: VocabShard | None = None, backward_twice: bool = False) -> None:
         check_linear_head(module, framework_forward=True)  # the caller checked the head
         self.module = module
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
         self.shard = shard
+        self.backward_twice = backward_twice
         self.gated = False
         """Whether a plugin gates the weight gradient (AGG): it arms every micro-batch with gates."""
         self._own_forward = "forward" in module.__dict__
@@ -142,6 +144,7 @@ class TrainingHead:
             chunk_size=self.chunk_size,
             label_smoothing=smoothing,
             shard=self.shard,
+            backward_twice=self.backward_twice,
         )
 
 

@@ -49,7 +49,8 @@ class FusedLossPlugin(Plugin):
             return False
         if installed is None:
             check_linear_head(model.head(), framework_forward=model.framework_wraps_head_forward, who="fused_loss")
-            installed = TrainingHead(model.head(), ignore_index=self.config.ignore_index, shard=model.vocab_shard())
+            installed = TrainingHead(model.head(), ignore_index=self.config.ignore_index, shard=model.vocab_shard(),
+                                     backward_twice=model.backward_runs_twice)
             model.on_restore(installed.remove)
         installed.chunk_size = self.config.fused_chunk_size
         self.head = installed
