@@ -28,7 +28,9 @@ Two ways to turn aniso_plugins on (docs/design.md, "torchtitan"):
 What runs where (torchtitan calls the loss once per micro-batch; its `ChunkedLossWrapper` calls
 the LM head once per sequence chunk):
 
-- `AnisoChunkedLoss` (a `ChunkedLossWrapper`): per training micro-batch it hands the labels
+- `AnisoChunkedLoss` (a `ChunkedLossWrapper`; the micro-batch is announced before the model's
+  forward from torchtitan's ``forward_backward_step``, or by the loss itself per pipeline
+  micro-batch): per training micro-batch it hands the labels
   (aligned with the head's outputs already: torchtitan's datasets shift them), the number of
   head calls (``num_chunks``), torchtitan's ``global_valid_tokens`` and, with document
   masking, the documents of each packed row (from the ``positions`` that restart per
@@ -60,10 +62,13 @@ CUDA graphs: the session runs Python per micro-batch inside the loss (counter up
 loss terms), which a captured graph would freeze after the first step, so the recipes set
 ``training.disable_cuda_graphs=True`` and the adapter refuses to run with graphs on.
 
-Supported parallelism: data parallel over all ranks (FSDP2 ``dp_shard`` or ``dp_replicate``,
-not both); tensor, context, pipeline and expert parallelism raise `aniso_plugins.SetupError`.
-``head`` must stay "keep" (torchtitan builds the model from its config: untie with the model
-config's ``enable_weight_tying=False``).
+Parallel layouts (`aniso_plugins.integrations.torchtitan_layout.layout_of`; docs/trainers.md,
+"Parallel layouts"): data parallel (``dp_replicate``, ``dp_shard``, both: HSDP), tensor parallel
+(the head computes its loss on its vocabulary shard), pipeline parallel (every schedule: the
+session lives on the stage that holds the LM head, whose ranks are its world) and expert
+parallel; context parallelism raises `aniso_plugins.SetupError`. ``head`` must stay "keep"
+(torchtitan builds the model from its config: untie with the model config's
+``enable_weight_tying=False``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ pytest.importorskip("torchtitan")
 from aniso_plugins import AnisoConfig, ConfigError, SetupError, hookimpl  # noqa: E402
 from references import agg_output_grad  # noqa: E402
 from torchtitan_data import rank_order, write_assets  # noqa: E402
-from torchtitan_runs import Launcher  # noqa: E402
+from torchtitan_runs import Launcher, assert_aniso_report_reads_the_last_checkpoint  # noqa: E402
 
 MOD = "aniso_plugins.integrations.torchtitan"
 SEQ, LOCAL, WORLD2_LOCAL, N_DOCS = 32, 4, 2, 64
@@ -113,7 +111,6 @@ def _fake_trainer(*, loss=None, head=None, graphs_off=True, tp=1, pp=1, cp=1, ba
                   dp_shard=1, inner_loss=None):
     from types import SimpleNamespace
 
-    from aniso_plugins.integrations.torchtitan import AnisoChunkedLoss
     from torchtitan.models.common.linear import Linear
 
     head = head if head is not None else Linear.Config(in_features=8, out_features=16).build()
@@ -482,20 +479,4 @@ def test_document_masking_positions_split_packed_rows_into_their_documents():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["agg", "agg_w2"])  # one rank; two FSDP2 ranks (sharded .distcp files)
 def test_aniso_report_reads_the_dcp_checkpoint_torchtitan_wrote(runs, name, tmp_path):
-    from test_report import ref_mean_cosine
-
-    run = runs[name]
-    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "report", os.path.join(run["folder"], "checkpoint"),
-                        "--out", str(tmp_path / "r"), "--quiet", "--no-plots", "--json"], capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
-    model = json.loads(p.stdout)["models"][0]
-    steps = sorted(int(s.split("-")[1]) for s in os.listdir(os.path.join(run["folder"], "checkpoint")))
-    assert model["kind"] == "dcp" and model["path"].endswith(f"step-{steps[-1]}")
-    names = {"embedding": "tok_embeddings.weight", "head": "lm_head.weight"}
-    assert set(model["matrices"]) == set(names)
-    for role, param in names.items():
-        w = run["final_params"][param].double().numpy()
-        got = model["matrices"][role]
-        assert (got["rows"], got["dim"]) == w.shape
-        assert got["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w), rel=1e-6, abs=1e-9), role
+    assert_aniso_report_reads_the_last_checkpoint(runs[name], tmp_path)

@@ -14,12 +14,9 @@ exactly, and `aniso report` reads the TP and HSDP ones."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,7 +24,7 @@ import torch
 pytest.importorskip("torchtitan")
 
 from torchtitan_data import write_assets, write_dataset  # noqa: E402
-from torchtitan_runs import Launcher  # noqa: E402
+from torchtitan_runs import Launcher, assert_aniso_report_reads_the_last_checkpoint  # noqa: E402
 
 SEQ, N_DOCS, STEPS = 32, 64, 4
 COMMON = ["--aniso.alpha", "2.5", "--aniso.window", "3", "--aniso.metrics_every", "1", "--training.steps", str(STEPS)]
@@ -176,16 +173,4 @@ def test_a_checkpoint_written_under_the_layout_resumes_exactly(runs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tp", "hsdp"])
 def test_aniso_report_reads_the_checkpoint_written_under_tp_and_hsdp(runs, name, tmp_path):
-    from test_report import ref_mean_cosine
-
-    run = runs[name]
-    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "report", os.path.join(run["folder"], "checkpoint"),
-                        "--out", str(tmp_path / "r"), "--quiet", "--no-plots", "--json"], capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr
-    model = json.loads(p.stdout)["models"][0]
-    assert model["kind"] == "dcp" and model["path"].endswith(f"step-{STEPS}")
-    for role, param in {"embedding": "tok_embeddings.weight", "head": "lm_head.weight"}.items():
-        w = run["final_params"][param].double().numpy()
-        assert (model["matrices"][role]["rows"], model["matrices"][role]["dim"]) == w.shape
-        assert model["matrices"][role]["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w), rel=1e-6)
+    assert_aniso_report_reads_the_last_checkpoint(runs[name], tmp_path)

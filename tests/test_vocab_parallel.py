@@ -51,7 +51,7 @@ def _reference(smoothing: float, gated: bool, bias: bool):
         valid = (flat != -100).nonzero().squeeze(1)
         gamma[valid, flat[valid]] = 1.0
         dw = (G.reshape(-1, V) * gamma).T @ h.detach().reshape(-1, D)
-    return float(loss), dh, dw, db
+    return float(loss.detach()), dh, dw, db
 
 
 def _shard_worker(rank: int, world: int, smoothing: float, gated: bool, op: str, dtype: str) -> dict:

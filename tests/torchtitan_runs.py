@@ -127,3 +127,27 @@ class Launcher:
                     proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=f, stderr=subprocess.STDOUT)
                 running[job["name"]] = Run(job["name"], folder, proc, log, env["ANISO_TT_DUMP"], job.get("world", 1))
             time.sleep(0.2)
+
+
+def assert_aniso_report_reads_the_last_checkpoint(run: dict, tmp_path) -> None:
+    """`aniso report` (the real CLI) on a run's DCP checkpoint folder reads its newest step: the
+    embedding's and the head's shapes and mean cosine equal the run's final parameters'."""
+    import json
+
+    import pytest
+    from test_report import ref_mean_cosine
+
+    p = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "report", os.path.join(run["folder"], "checkpoint"),
+                        "--out", str(tmp_path / "r"), "--quiet", "--no-plots", "--json"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    model = json.loads(p.stdout)["models"][0]
+    steps = sorted(int(s.split("-")[1]) for s in os.listdir(os.path.join(run["folder"], "checkpoint")))
+    assert model["kind"] == "dcp" and model["path"].endswith(f"step-{steps[-1]}")
+    names = {"embedding": "tok_embeddings.weight", "head": "lm_head.weight"}
+    assert set(model["matrices"]) == set(names)
+    for role, param in names.items():
+        w = run["final_params"][param].double().numpy()
+        got = model["matrices"][role]
+        assert (got["rows"], got["dim"]) == w.shape
+        assert got["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w), rel=1e-6, abs=1e-9), role

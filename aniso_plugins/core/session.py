@@ -45,7 +45,7 @@ from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
 from aniso_plugins.core.steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
 from aniso_plugins.core.targets import MicroBatchTargets
-from aniso_plugins.numerics.distributed import rank_and_world
+from aniso_plugins.numerics.distributed import rank_and_world, world_group
 
 logger = logging.getLogger("aniso_plugins")
 
@@ -215,7 +215,7 @@ class TrainingSession:
             raise ValueError(f"batch_copies={batch_copies!r}: expected an integer >= 1")
         self._loss_scale = loss_scale
         self._grad_scaler = grad_scaler
-        self._batch_group = batch_group
+        self._batch_group = batch_group if batch_group is not None else world_group()
         self._batch_copies = batch_copies
         self.plugins.begin_training(self.run)
         if self._pending_state is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from aniso_plugins.numerics.distributed import ceil_div
+from aniso_plugins.numerics.distributed import ceil_div, rank_and_world
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class StepInfo:
         metrics that pair positions of one example compare these.
     batch_group: the ranks whose micro-batches are distinct parts of the global batch, over
         which sums of the batch (token counts, activation statistics: ``Stat(over="batch")``)
-        reduce; None: the world. It differs from the world where ranks hold copies of one
-        micro-batch (tensor parallelism).
+        reduce; None: the world (`aniso_plugins.numerics.distributed.world_group`). It differs
+        from the world where ranks hold copies of one micro-batch (tensor parallelism).
     """
 
     step: int
@@ -71,8 +71,8 @@ class StepInfo:
     @property
     def batch_ranks(self) -> int:
         """How many ranks hold distinct parts of the global batch (the size of `batch_group`)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
+        if self.batch_group is None:
+            return rank_and_world()[1]
         return dist.get_world_size(self.batch_group)
 
     @property
