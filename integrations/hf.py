@@ -54,6 +54,7 @@ from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, Train
 from aniso_plugins.core.causal_loss import FusedLabelSmoother, install_fused_causal_loss, why_loss_is_not_reproduced
 from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
+from aniso_plugins.integrations import hf_trl
 
 try:
     from transformers import PreTrainedModel, Trainer, TrainerCallback
@@ -121,6 +122,7 @@ class AnisoCallback(TrainerCallback):
         self._supplying = False
         self._wrappers: dict[str, Any] = {}
         self._owned = False  # built by AnisoTrainerMixin: its class methods do what _wrap does
+        self._trl_unroute: Callable[[], None] | None = None  # removes hf_trl.route_through_head's hooks
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
@@ -163,6 +165,9 @@ class AnisoCallback(TrainerCallback):
                 f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
                 "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
             )
+        trl_refusal = hf_trl.refusal(trainer)
+        if trl_refusal is not None:
+            raise SetupError(trl_refusal)
         if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != ("none",):
             raise SetupError(
                 "TrainingArguments(use_liger_kernel=True) computes the loss from lm_head.weight directly and "
@@ -186,6 +191,9 @@ class AnisoCallback(TrainerCallback):
             self.session = TrainingSession(self.config, self._plugins)
         why_not = _why_loss_is_not_reproduced(self.trainer, handle, self.config)
         self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")
+        self._unroute_trl()
+        if hf_trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
+            self._trl_unroute = hf_trl.route_through_head(model, self.trainer)
         if self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
             handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index))
             smoother = self.trainer.label_smoother
@@ -194,6 +202,11 @@ class AnisoCallback(TrainerCallback):
                 self.trainer.label_smoother = self._wrappers["label_smoother"][0]
         self._rule = rule
 
+    def _unroute_trl(self) -> None:
+        if self._trl_unroute is not None:
+            self._trl_unroute()
+            self._trl_unroute = None
+
     def detach(self, keep_head: bool = False) -> None:
         """Undo what this callback did: the model gets back its forwards, hooks, head and tying
         exactly as before (`keep_head=True` keeps a replaced or untied head, whose trained
@@ -201,6 +214,7 @@ class AnisoCallback(TrainerCallback):
         ``prediction_step``, ``train`` and ``model_init``, and the callback leaves its
         callback list. A new ``AnisoCallback`` can then attach to the same model (e.g. a
         notebook cell run again)."""
+        self._unroute_trl()
         self.session.detach(keep_head=keep_head)
         trainer, self.trainer = self.trainer, None
         if trainer is None:

@@ -1,12 +1,12 @@
 """Smoke tests of the package as a user installs it: run by `.ci/run` with the interpreter of a
 fresh virtual environment that holds the built wheel (no source tree on ``sys.path``).
 
-    python tests/installed_smoke.py STAGE [STAGE ...]    # stages: core hf report postprocess lightning torchtitan
+    python tests/installed_smoke.py STAGE [STAGE ...]    # core hf report postprocess trl lightning torchtitan
 
 Each stage needs the extras installed before it (`.ci/run` adds them one group at a time, so a
 stage also proves that its extra pulls in what it imports): ``core`` the bare wheel, ``hf`` and
-``report`` and ``postprocess`` ``[hf,report,sentences]``, ``lightning`` and ``torchtitan``
-``[lightning,torchtitan]``. Every stage writes under ``$ANISO_SMOKE_DIR`` (default: a new
+``report`` and ``postprocess`` ``[hf,report,sentences]``, ``trl``, ``lightning`` and
+``torchtitan`` ``[trl,lightning,torchtitan]`` (with the first group, in one resolution). Every stage writes under ``$ANISO_SMOKE_DIR`` (default: a new
 temporary folder); ``hf`` saves the tiny checkpoints the ``report`` and ``postprocess`` stages
 read. Nothing is downloaded: the models are built from configs, the text is Python's own help
 topics. Exit 0 when every stage passed; a failing stage raises.
@@ -121,6 +121,34 @@ def stage_hf() -> None:
     tok.save_pretrained(WORK / "bert")
 
 
+def stage_trl() -> None:
+    """TRL's ``SFTTrainer`` with AGG for 2 steps on a tiny Llama and the Python help text: the
+    fused LM head runs through the model's head (AGG would refuse otherwise) and the metrics
+    reach TRL's log beside its own."""
+    import torch
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from aniso_plugins import AnisoConfig
+    from aniso_plugins.integrations.hf import AnisoCallback
+
+    tok = _tokenizer()
+    tok.eos_token = "<pad>"
+    lines = [line for line in _text().splitlines() if len(line.split()) > 4][:64]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+    args = SFTConfig(output_dir=str(WORK / "trl_run"), max_steps=2, per_device_train_batch_size=8, logging_steps=1,
+                     report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False, max_length=32)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": lines}), processing_class=tok,
+                         callbacks=[AnisoCallback(AnisoConfig(method="agg", metrics=("geometry",)))])
+    trainer.train()
+    logged = [r for r in trainer.state.log_history if "loss" in r]
+    assert len(logged) == 2 and all("aniso/geometry/head/isotropy" in r and "entropy" in r for r in logged), logged
+
+
 def stage_report() -> None:
     """``aniso report`` on the saved checkpoint with the text: report.json, report.md, plots."""
     out = WORK / "report"
@@ -209,7 +237,7 @@ def stage_torchtitan() -> None:
 
 
 STAGES = {"core": stage_core, "hf": stage_hf, "report": stage_report, "postprocess": stage_postprocess,
-          "lightning": stage_lightning, "torchtitan": stage_torchtitan}
+          "trl": stage_trl, "lightning": stage_lightning, "torchtitan": stage_torchtitan}
 
 
 def main(names: list[str]) -> int:

@@ -163,4 +163,7 @@ def full_rows(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor() if isinstance(param, DTensor) else param
 
 
-__all__ = ["LocalRows", "ceil_div", "chunk_bounds", "full_rows", "is_distributed", "local_rows", "mesh_rows", "rank_and_world", "set_world", "VocabShard", "vocab_shard_rows", "world_group"]
+__all__ = [
+    "LocalRows", "VocabShard", "ceil_div", "chunk_bounds", "full_rows", "is_distributed", "local_rows", "mesh_rows",
+    "rank_and_world", "set_world", "vocab_shard_rows", "world_group",
+]

@@ -1,0 +1,157 @@
+"""TRL's trainers under `aniso_plugins.integrations.hf.AnisoCallback` (TRL builds on
+``transformers.Trainer``; ``pip install "aniso-plugins[trl]"``).
+
+TRL's ``SFTTrainer`` patches the model's forward (``trl.trainer.utils.add_fused_lm_head``,
+after ``Trainer.__init__``, so after the callback's set-up) and trains on
+``model(..., fused_lm_head=True)``: the per-token log-probabilities computed in chunks straight
+from ``lm_head.weight``, without running the LM head module. Nothing installed on the head
+would run (AGG's gated forward, the loss terms, the metrics' hooks). `route_through_head`
+turns a fused call into the model's own forward, through its head, and returns TRL's
+``FusedCausalLMOutput`` computed from the head's logits, as ``transformers.Trainer`` trains
+(the logits are held in memory, as with the Trainer):
+
+    log_probs[n] = log softmax(z_n)[y_n] (with its gradient),   entropy[n] = −Σ_v p_nv log p_nv,
+    is_top1[n] = [argmax_v z_nv = y_n],   label_mask[n] = [y_n ≠ −100]   (zero where y_n = −100),
+    loss = −Σ_n log_probs[n] / (num_items_in_batch or Σ_n label_mask[n]) (+ the MoE aux term),
+
+with TRL's alignment (``z = logits[:, :-1]``, ``y = labels[:, 1:]``; ``shift_labels`` as
+given). Where SFTTrainer computes the loss from the model's logits itself (a
+``compute_loss_func``; label smoothing), its fused call only feeds TRL's metrics, without
+gradients, and stays TRL's. TRL's other trainers (DPO, GRPO, KTO, RLOO, ...) compute
+log-probabilities of their own from ``lm_head.weight`` and are refused at construction
+(`refusal`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger("aniso_plugins.hf")
+
+_ENTROPY_ROWS = 4096
+"""Rows of logits per chunk of the gradient-free entropy and top-1 (one chunk of float32
+probabilities at a time, not a second N × V tensor)."""
+
+
+def is_trl_trainer(trainer: object) -> bool:
+    """Whether `trainer` is one of TRL's trainers (a class of its MRO comes from ``trl``)."""
+    return any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
+
+
+def refusal(trainer: object) -> str | None:
+    """Why `AnisoCallback` cannot run inside `trainer`, or None (not TRL, or TRL's SFTTrainer)."""
+    if not is_trl_trainer(trainer):
+        return None
+    from trl import SFTTrainer
+
+    if isinstance(trainer, SFTTrainer):
+        return None
+    return (
+        f"TRL's {type(trainer).__name__} computes the log-probabilities of its loss from lm_head.weight with its own "
+        "fused LM head, bypassing the LM head module that aniso_plugins' methods and metrics act on; AnisoCallback "
+        "supports TRL's SFTTrainer (and transformers' Trainer): train with SFTTrainer, or without AnisoCallback"
+    )
+
+
+def _routes_its_loss(trainer) -> bool:
+    """Whether SFTTrainer's training loss comes from its fused call (not from the model's
+    logits: a ``compute_loss_func``, or label smoothing of the "nll" loss)."""
+    smooths = trainer.label_smoother is not None and trainer.args.loss_type == "nll"
+    return trainer.compute_loss_func is None and not smooths
+
+
+def route_through_head(model: nn.Module, trainer) -> Callable[[], None]:
+    """Make SFTTrainer's fused calls of `model` (the model the Trainer holds: a PEFT model or
+    the transformers model) run through its LM head (module docstring). Two hooks on `model`,
+    whichever forward TRL and accelerate install under them: before the call, a fused one
+    (with gradients, or in evaluation) loses ``fused_lm_head``, ``labels``, ``shift_labels`` and
+    ``num_items_in_batch``, so that the model's own forward computes the logits through its
+    head; after it, the logits become TRL's ``FusedCausalLMOutput``. A training call without
+    gradients (TRL's metrics beside a loss computed from the logits) stays TRL's. Returns the
+    function that removes both hooks."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    config = getattr(model, "config", None)
+    coefficient = getattr(config.get_text_config(), "router_aux_loss_coef", 0.0) if config is not None else 0.0
+    calls: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | int | None]] = []
+
+    def before(module, args, kwargs):
+        if not kwargs.get("fused_lm_head") or (module.training and not torch.is_grad_enabled()):
+            return None
+        if not _routes_its_loss(trainer):
+            return None
+        kwargs = dict(kwargs)
+        kwargs.pop("fused_lm_head")
+        calls.append((kwargs.pop("labels", None), kwargs.pop("shift_labels", None), kwargs.pop("num_items_in_batch", None)))
+        return args, kwargs
+
+    def after(module, args, kwargs, outputs):
+        if not calls or "fused_lm_head" in kwargs:
+            return None
+        labels, shift_labels, num_items_in_batch = calls.pop()
+        fields = fused_outputs_from_logits(outputs.logits, labels, shift_labels, num_items_in_batch)
+        aux = getattr(outputs, "aux_loss", None)
+        if aux is not None:
+            fields["loss"] = fields["loss"] + coefficient * aux
+        return FusedCausalLMOutput(**fields, aux_loss=aux)
+
+    handles = [
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    ]
+    logger.info(
+        "TRL's fused LM head computes the log-probabilities from lm_head.weight without running the head; "
+        "aniso_plugins computes them from the head's logits instead (as transformers.Trainer trains: the logits "
+        "are held in memory)"
+    )
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+def fused_outputs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+) -> dict[str, torch.Tensor]:
+    """The fields of TRL's ``FusedCausalLMOutput`` from (B, T, V) logits (module docstring):
+    log_probs, entropy, is_top1, label_mask (B, T − 1), or (B, T) with `shift_labels`, and the
+    loss. Float32 softmax; the logits are not copied for the shift."""
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("a fused_lm_head=True call needs labels or shift_labels")
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # aligned with every position; the last has none
+    else:
+        targets = shift_labels
+    flat, y = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device)
+    log_probs = -F.cross_entropy(flat.float(), y, ignore_index=-100, reduction="none")
+    mask = y != -100
+    entropy = torch.zeros_like(log_probs)
+    is_top1 = torch.zeros_like(mask)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], _ENTROPY_ROWS):
+            rows = slice(start, start + _ENTROPY_ROWS)
+            logp = torch.log_softmax(flat[rows].float(), dim=-1)
+            entropy[rows] = -(logp.exp() * logp).sum(-1)
+            is_top1[rows] = flat[rows].argmax(-1) == y[rows]
+    entropy, is_top1 = entropy.masked_fill(~mask, 0.0), is_top1 & mask
+    shape = targets.shape
+    fields = {"log_probs": log_probs, "entropy": entropy, "is_top1": is_top1, "label_mask": mask}
+    fields = {name: value.view(shape) for name, value in fields.items()}
+    if shift_labels is None:
+        fields = {name: value[:, :-1] for name, value in fields.items()}
+    count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    fields["loss"] = -fields["log_probs"].sum() / count
+    return fields
+
+
+__all__ = ["fused_outputs_from_logits", "is_trl_trainer", "refusal", "route_through_head"]
