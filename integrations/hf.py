@@ -70,15 +70,16 @@ logger = logging.getLogger("aniso_plugins.hf")
 _EVAL_PREFIX = "eval_"
 
 
-def hf_handle(model: nn.Module) -> OutputEmbeddingsHandle:
-    """The `ModelHandle` of a transformers model (a PEFT ``PeftModel``: of its base model); a
-    clear error for anything else."""
+def hf_handle(model: nn.Module, head: str | None = None) -> OutputEmbeddingsHandle:
+    """The `ModelHandle` of a transformers model (a PEFT ``PeftModel``: of its base model), its
+    LM head the module that makes the logits (`aniso_plugins.core.model.output_projection`) or
+    the submodule at `head`; a clear error for anything else."""
     base = peft_base_model(model)
     if not isinstance(base, PreTrainedModel):
         raise SetupError(
             f"AnisoCallback needs a transformers PreTrainedModel (or a PEFT model of one), got {type(model).__name__}"
         )
-    return OutputEmbeddingsHandle(model)
+    return OutputEmbeddingsHandle(model, head=head)
 
 
 def _constructing_trainer() -> Trainer | None:
@@ -101,6 +102,10 @@ class AnisoCallback(TrainerCallback):
         loss aligns its ``labels``), "causal", "aligned", "seq2seq"
         (`aniso_plugins.core.targets.ALIGNMENTS`), or a function of the batch returning the ids
         aligned with the head's output positions (``config.ignore_index`` where none).
+    head: path of the LM head in the model (a PEFT model: in its base model), where the module
+        that makes the logits is not the one found (`aniso_plugins.core.model.output_projection`:
+        ``get_output_embeddings()`` when it projects onto the vocabulary, else the one module
+        that does).
     """
 
     def __init__(
@@ -109,8 +114,10 @@ class AnisoCallback(TrainerCallback):
         plugins: Iterable[object] = (),
         *,
         targets: Callable[[Any], torch.Tensor] | str | None = None,
+        head: str | None = None,
     ) -> None:
         self._plugins = tuple(plugins)
+        self._head = head
         self.session = TrainingSession(config, self._plugins)
         self.config = self.session.config
         self._targets = targets
@@ -179,12 +186,12 @@ class AnisoCallback(TrainerCallback):
                 "let the Trainer create its optimizer"
             )
         if self.session.handle is None:
-            target_rule(self._targets, hf_handle(trainer.model).model)
+            target_rule(self._targets, hf_handle(trainer.model, self._head).model)
 
     def _set_up(self, model: nn.Module) -> None:
         """Set the session up on `model` (a new model of ``model_init``: after undoing the
         previous model's set-up, with fresh plugin state)."""
-        handle = hf_handle(model)
+        handle = hf_handle(model, self._head)
         rule = target_rule(self._targets, handle.model)
         if self.session.handle is not None:
             self.session.detach()
@@ -446,8 +453,8 @@ class AnisoCallback(TrainerCallback):
 class AnisoTrainerMixin:
     """The route transformers documents for changing the training loop, a `Trainer` subclass:
     ``class MyTrainer(AnisoTrainerMixin, Seq2SeqTrainer): ...`` or `AnisoTrainer`. It takes
-    ``aniso=AnisoConfig(...)`` (and ``aniso_plugins=``, ``aniso_targets=``, as
-    `AnisoCallback`'s ``plugins`` and ``targets``) and does exactly what the callback does,
+    ``aniso=AnisoConfig(...)`` (and ``aniso_plugins=``, ``aniso_targets=``, ``aniso_head=``, as
+    `AnisoCallback`'s ``plugins``, ``targets`` and ``head``) and does exactly what the callback does,
     through the callback's own methods, but overrides ``training_step``, ``compute_loss``,
     ``prediction_step``, ``train`` and ``call_model_init`` in the class (nothing is replaced on
     the instance, no call stack is read) and sets up once ``Trainer.__init__`` has returned.
@@ -459,9 +466,10 @@ class AnisoTrainerMixin:
         aniso: AnisoConfig | None = None,
         aniso_plugins: Iterable[object] = (),
         aniso_targets: Callable[[Any], torch.Tensor] | str | None = None,
+        aniso_head: str | None = None,
         **kwargs: Any,
     ) -> None:
-        self.aniso = AnisoCallback(aniso, aniso_plugins, targets=aniso_targets)
+        self.aniso = AnisoCallback(aniso, aniso_plugins, targets=aniso_targets, head=aniso_head)
         self.aniso._owned = True
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.aniso]
         super().__init__(*args, **kwargs)

@@ -272,7 +272,7 @@ def arch_baseline(arch_name, zoo_tmp):
 
     def make(out):
         run = train(arch, out)
-        model_head, emb = run.model.get_output_embeddings(), run.model.get_input_embeddings()
+        model_head, emb = zoo.head_of(run.model), run.model.get_input_embeddings()
         assert (model_head.weight is emb.weight) == arch.tied, f"{arch_name}: tied={arch.tied} expected"
         ref = output_side(arch, run)
         check_reference_matches_trainer(arch, run, ref, what=f"{arch_name} baseline (reference self-check)")

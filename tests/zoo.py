@@ -73,6 +73,19 @@ class Seq2SeqData(torch.utils.data.Dataset):
         return {"input_ids": self.src[i], "labels": self.tgt[i]}
 
 
+class ExplicitDecoderInputs(Seq2SeqData):
+    """Seq2SeqData with decoder_input_ids (the labels shifted right after the start id, padding
+    for ignored labels), for a model that shifts its source instead of its labels (FSMT)."""
+
+    START, PAD = 2, 1
+
+    def __getitem__(self, i):
+        labels = self.tgt[i]
+        previous = torch.cat([torch.tensor([self.START]), labels[:-1]])
+        return {"input_ids": self.src[i], "labels": labels,
+                "decoder_input_ids": torch.where(previous == IGNORE, self.PAD, previous)}
+
+
 class VarLenData(torch.utils.data.Dataset):
     """Causal examples of different lengths (lists, for padding / flattening collators)."""
 
@@ -280,6 +293,18 @@ def pegasus(seed=0):
     return _with_final_logits_bias(T.PegasusForConditionalGeneration(cfg), g)
 
 
+def fsmt(seed=0):
+    """FSMT: separate source and target vocabularies, an untied decoder.output_projection that
+    makes the logits, while get_output_embeddings() returns the decoder's token embedding."""
+    _seeded(seed)
+    cfg = T.FSMTConfig(langs=["en", "de"], src_vocab_size=VOCAB + 8, tgt_vocab_size=VOCAB, d_model=HIDDEN,
+                       encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                       encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64, dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, tie_word_embeddings=False, pad_token_id=1,
+                       bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)  # fmt: skip
+    return T.FSMTForConditionalGeneration(cfg)
+
+
 def _identity(model, z):
     return z
 
@@ -302,8 +327,11 @@ class Arch:
     post: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = _identity  # the model's own transform after the head
     seq2seq_trainer: bool = False  # train with Seq2SeqTrainer instead of Trainer
     fused: bool = False  # a causal LM whose loss is ForCausalLMLoss of its head's output: the fused loss reproduces it
+    decoder_inputs: bool = False  # seq2seq data with explicit decoder_input_ids (the model does not shift its labels)
 
     def data(self, **kw):
+        if self.decoder_inputs:
+            return ExplicitDecoderInputs(**kw)
         return {"causal": CausalData, "masked": MaskedData, "seq2seq": Seq2SeqData}[self.kind](**kw)
 
 
@@ -326,6 +354,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
     Arch("marian", marian, "seq2seq", tied=True, post=_final_logits_bias),
     Arch("mt5", mt5, "seq2seq", tied=True, seq2seq_trainer=True),  # MT5Config forces tie_word_embeddings=True in transformers 5
     Arch("pegasus", pegasus, "seq2seq", tied=True, post=_final_logits_bias, seq2seq_trainer=True),
+    Arch("fsmt", fsmt, "seq2seq", tied=False, decoder_inputs=True),  # the head is not get_output_embeddings() (head_of)
 ]}
 
 
@@ -343,13 +372,16 @@ class MicroBatch:
 
 def head_of(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose output is the logits: get_output_embeddings() (a PEFT ModulesToSaveWrapper
-    is kept: its forward is the trainable copy's)."""
+    is kept: its forward is the trainable copy's), except FSMT's, whose forward computes the
+    logits with model.decoder.output_projection (modeling_fsmt.py)."""
+    if type(model).__name__ == "FSMTForConditionalGeneration":
+        return model.model.decoder.output_projection
     return model.get_output_embeddings()
 
 
 def trainable_head(model: torch.nn.Module) -> torch.nn.Module:
     """The head module that owns the trainable head parameters (PEFT: the modules_to_save copy)."""
-    head = model.get_output_embeddings()
+    head = head_of(model)
     copies = getattr(head, "modules_to_save", None)
     return copies["default"] if copies is not None else head
 

@@ -85,6 +85,10 @@ class ModelHandle:
                 )
 
     framework_wraps_head_forward: bool = False
+    head_skips_label: int | None = None
+    """The label whose positions the head does not run on: the model compacts its head's input
+    to the rows of the other labels, in order (ModernBERT's ``sparse_prediction``), and the
+    session hands the plugins those rows' targets; None: the head runs on every position."""
     vocab_mesh: DeviceMesh | None = None
     """The 1-D device mesh whose ranks each hold a contiguous vocabulary shard of the head's
     weight inside its forward (tensor parallelism with loss parallel: a rank's logits are its
@@ -279,7 +283,8 @@ def _lora_layer(module: nn.Module) -> bool:
 
 class OutputEmbeddingsHandle(ModelHandle):
     """`ModelHandle` for a model with the transformers API (duck-typed, transformers need not be
-    installed): the head is ``get_output_embeddings()``, the embedding
+    installed): the head is the projection that makes the logits (`output_projection`; or the
+    submodule at `head`, a path in the base model), the embedding
     ``get_input_embeddings()``, the blocks the modules whose class is in ``_no_split_modules``;
     untying sets ``tie_word_embeddings=False`` on the config (and its text config) so that
     nothing re-ties the weights.
@@ -291,24 +296,31 @@ class OutputEmbeddingsHandle(ModelHandle):
     reads as W + ΔW for metrics (`head_weight`) and is refused by the methods that change the
     head's gradient (`require_trainable_head`)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, head: str | None = None) -> None:
         base = peft_base_model(model)
         self.peft = base is not model
         """Whether the model came wrapped in a PEFT ``PeftModel``."""
         model = base
-        if not callable(getattr(model, "get_output_embeddings", None)) or model.get_output_embeddings() is None:
-            raise SetupError(
-                f"{type(model).__name__}.get_output_embeddings() is missing or None: a language model with an "
-                "output-embedding (LM head) Linear is needed"
-            )
-        super().__init__(model, on_untie=self._mark_untied)
+        if head is None:
+            head = output_projection(model)
+        else:
+            _get(model, head)
+        super().__init__(model, head=head, on_untie=self._mark_untied)
+
+    @property
+    def head_skips_label(self) -> int | None:  # type: ignore[override]
+        """ModernBERT-style ``sparse_prediction``: the head runs on the rows whose label is not
+        ``sparse_pred_ignore_index`` (`ModelHandle.head_skips_label`)."""
+        if not getattr(self.model, "sparse_prediction", False):
+            return None
+        return int(getattr(self.model, "sparse_pred_ignore_index", -100))
 
     @property
     def encoder_decoder(self) -> bool:
         return bool(getattr(getattr(self.model, "config", None), "is_encoder_decoder", False))
 
     def head(self) -> nn.Module:
-        head = self.model.get_output_embeddings()
+        head = _get(self.model, self._head)
         copies = _peft_copies(head)
         if copies is None:
             return head
@@ -354,20 +366,16 @@ class OutputEmbeddingsHandle(ModelHandle):
         self.on_restore(self.model.register_forward_hook(on_output).remove)
 
     def _head_name(self) -> str:
-        head = self.model.get_output_embeddings()
-        for name, module in self.model.named_modules():
-            if module is head:
-                return name.rsplit(".", 1)[-1]
-        return "lm_head"
+        return self._head.rsplit(".", 1)[-1]
 
     def _replace_head(self, module: nn.Module) -> None:
-        head = self.model.get_output_embeddings()
+        head = _get(self.model, self._head)
         copies = _peft_copies(head)
         active = _active_adapters(head) if copies is not None else []
         if active and active[0] in copies:
             copies[active[0]] = module
         else:
-            self.model.set_output_embeddings(module)
+            _set(self.model, self._head, module)
 
     def _decoder(self) -> nn.Module | None:
         get = getattr(self.model, "get_decoder", None)
@@ -428,6 +436,76 @@ class OutputEmbeddingsHandle(ModelHandle):
             setattr(self.model, name, value)
 
 
+def _rows(module: nn.Module | None) -> tuple[int, int] | None:
+    """The (rows, columns) of a module's 2-D ``weight`` (a PEFT wrapper's: its trained copy's or
+    base layer's), or None."""
+    copies = _peft_copies(module) if module is not None else None
+    if copies is not None:
+        module = next(iter(copies.values()), module)
+    weight = getattr(module, "weight", None)
+    return tuple(weight.shape) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def output_projection(model: nn.Module) -> str:
+    """The path of the module that makes a transformers model's logits: ``get_output_embeddings()``
+    when it projects onto the vocabulary (a 2-D ``weight`` of V rows, V the rows of the input
+    embedding, and not itself an embedding lookup), else the one ``nn.Linear`` of weight (V, d)
+    outside the blocks (FSMT's ``decoder.output_projection``; its ``get_output_embeddings()`` is
+    the target embedding table, of the same shape). Raises `SetupError` naming what
+    ``get_output_embeddings()`` returned when no module, or more than one, makes the logits
+    (DeBERTa-v2 with ``legacy=False`` computes h·Eᵀ + b without one)."""
+    get = getattr(model, "get_output_embeddings", None)
+    declared = get() if callable(get) else None
+    if declared is None:
+        raise SetupError(
+            f"{type(model).__name__}.get_output_embeddings() is missing or None: a language model with an "
+            "output-embedding (LM head) Linear is needed, or name it: AnisoCallback(..., head='path.to.head')"
+        )
+    paths = {id(module): name for name, module in model.named_modules()}
+    shape = _rows(declared)
+    if isinstance(declared, nn.Embedding):
+        vocabulary = shape  # an embedding table: the logits' vocabulary is its rows
+    else:
+        embedding = _input_embedding_of(model)
+        vocabulary = _rows(embedding) if embedding is not None else None
+        transposed = shape is not None and vocabulary is not None and shape == vocabulary[::-1]
+        if shape is not None and (vocabulary is None or shape[0] == vocabulary[0] or transposed):
+            return paths[id(declared)]  # (a transposed weight is refused by ModelHandle, naming it)
+    inside = ("modules_to_save.", "original_module", "base_layer")  # PEFT's copies of a module
+    found = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and vocabulary is not None
+        and _rows(module) == vocabulary
+        and not any(part in name for part in inside)
+        and not any(part.isdigit() for part in name.split("."))  # not inside the blocks (a ModuleList)
+    ]
+    if len(found) == 1:
+        return found[0]
+    what = f"{paths.get(id(declared), '?')!r} ({type(declared).__name__}, weight {shape})"
+    if found:
+        raise SetupError(
+            f"{type(model).__name__}.get_output_embeddings() is {what}, not a projection onto the vocabulary, and "
+            f"{len(found)} modules could be the LM head ({', '.join(found)}): name it, AnisoCallback(..., head='...')"
+        )
+    raise SetupError(
+        f"{type(model).__name__} has no module that makes its logits: get_output_embeddings() is {what}, whose "
+        f"output is not the vocabulary ({vocabulary[0] if vocabulary else '?'} ids), and no nn.Linear-like module "
+        "projects onto it (the logits are computed without one, e.g. h·Eᵀ + b from the input embedding: "
+        "DeBERTa-v2 with legacy=False). aniso_plugins acts on an nn.Linear LM head: build the model with one "
+        "(DeBERTa-v2: legacy=True), or name the module that makes the logits, AnisoCallback(..., head='...')"
+    )
+
+
+def _input_embedding_of(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        return get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 def detach(model: nn.Module, keep_surgery: bool = False) -> int:
     """Undo what every aniso_plugins set-up did to `model` (or a module inside it) that was not
     undone yet, e.g. by a Trainer of a notebook cell run before whose callback is gone; returns
@@ -458,4 +536,6 @@ def find_handle(
     )
 
 
-__all__ = ["ModelHandle", "OutputEmbeddingsHandle", "SetupError", "detach", "find_handle", "peft_base_model"]
+__all__ = [
+    "ModelHandle", "OutputEmbeddingsHandle", "SetupError", "detach", "find_handle", "output_projection", "peft_base_model",
+]

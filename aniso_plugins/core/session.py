@@ -277,10 +277,11 @@ class TrainingSession:
         self._micro_batch += 1
         self._current = info
         self._clear_micro_batch()
-        self.plugins.targets(batch.targets, info)
+        targets = self._head_targets(batch.targets)
+        self.plugins.targets(targets, info)
         self._loss_due = self.config.reg_every_microbatch or info.last_micro_batch
         self._activations_due = self.plugins.implements("aniso_activation_loss_terms")
-        self._targets = batch.targets
+        self._targets = targets
         self._supplying = supplies_loss
         return info
 
@@ -424,11 +425,17 @@ class TrainingSession:
         if targets is None or not self.wants_eval_batches:
             yield
             return
-        self._eval = TargetChunks(targets, head_calls)
+        self._eval = TargetChunks(self._head_targets(targets), head_calls)
         try:
             yield
         finally:
             self._eval = None
+
+    def _head_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """The targets of the rows the head runs on: all of them, or, where the model compacts
+        the head's input (`ModelHandle.head_skips_label`), those of the other labels, in order."""
+        skip = self.handle.head_skips_label if self.handle is not None else None
+        return targets if skip is None else targets[targets != skip]
 
     @contextlib.contextmanager
     def not_evaluating(self) -> Iterator[None]:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from aniso_plugins.core.model import SetupError, output_projection
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
 from aniso_plugins.offline.checkpoints import dcp_folder, dcp_tensors, lightning_tensors
 from aniso_plugins.offline.errors import ReportError
@@ -186,9 +187,12 @@ def _meta_embeddings(config, auto) -> tuple[dict[str, torch.Tensor], bool | None
         with torch.device("meta"):
             model = auto.from_config(config)
         emb = model.get_input_embeddings()
-        head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     except Exception:
         return None
+    try:  # the module that makes the logits (FSMT: not get_output_embeddings())
+        head = model.get_submodule(output_projection(model))
+    except SetupError:
+        head = None
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)

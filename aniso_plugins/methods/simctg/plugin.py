@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from aniso_plugins.core.config import AnisoConfig
+from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.simctg.loss import simctg_pair_count, simctg_pair_sums
@@ -36,6 +38,14 @@ class SimCTGPlugin(Plugin):
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
         self._pair_count: torch.Tensor | None = None  # the current micro-batch's, over all ranks
+
+    def setup(self, model: ModelHandle) -> None:
+        if model.head_skips_label is not None:
+            raise SetupError(
+                f"simctg pairs the LM head's input positions within each sequence, but {type(model.model).__name__} "
+                "runs its head on the labelled positions only (sparse_prediction=True): build the model with "
+                "sparse_prediction=False to train SimCTG"
+            )
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
