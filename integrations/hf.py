@@ -21,6 +21,11 @@ What the callback does with the Trainer (transformers 5.x; docs/design.md walks 
   the generation steps are not evaluation logits); (3) wraps ``train`` to learn which
   checkpoint a run resumes from, and ``model_init`` (hyperparameter search) to set up on every
   model the Trainer builds.
+- TRL's ``SFTTrainer`` (a Trainer subclass): its fused LM head, which reads ``lm_head.weight``
+  without calling the head, is run through the model's head (`hf_trl.route_through_head`);
+  TRL's other trainers are refused at construction.
+- The LM head is the module that makes the logits
+  (`aniso_plugins.core.model.output_projection`), or the callback's ``head=`` path.
 - Targets: as the model's own loss aligns them (`aniso_plugins.core.targets.alignment_of`: causal
   LMs shifted, masked LMs and encoder-decoders' decoder labels as they are, ``shift_labels``
   when the collator gives them), or the callback's ``targets=``; packed batches
