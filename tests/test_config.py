@@ -31,6 +31,7 @@ NON_DEFAULT = dict(
     head="lowrank",
     ignore_index=-1,
     alpha=0.05,
+    alpha_tokens=65536,
     window=7,
     special_ids=(0, 1),
     agg_g1=False,
@@ -533,10 +534,10 @@ def test_each_feature_declares_its_options_and_the_config_is_their_union():
     assert names[:3] == ["method", "head", "ignore_index"] and len(names) == len(set(names))
     own = {c: {f.name for f in dataclasses.fields(c)} - {f.name for b in c.__bases__ for f in dataclasses.fields(b)}
            for c in AnisoConfig.option_classes()}  # fmt: skip
-    assert own[AGGOptions] == {"alpha", "window", "special_ids", "agg_g1", "agg_g2", "agg_static_after",
+    assert own[AGGOptions] == {"alpha", "alpha_tokens", "window", "special_ids", "agg_g1", "agg_g2", "agg_static_after",
                                "agg_freeze_rare", "agg_parts"}  # fmt: skip
     assert set().union(*own.values()) == set(names)  # every field has one home
-    assert AnisoConfig.state_fields() == ("method", "head", "ignore_index", "alpha", "special_ids", "lowrank_rank")
+    assert AnisoConfig.state_fields() == ("method", "head", "ignore_index", "alpha", "alpha_tokens", "special_ids", "lowrank_rank")
     assert HeadOptions.STATE_FIELDS == ("lowrank_rank",)
     with pytest.raises(ConfigError, match="alpha=0: expected a number > 0"):  # AGGOptions.validate, inside AnisoConfig
         AnisoConfig(alpha=0)

@@ -110,6 +110,32 @@ class SlidingTokenCounter:
             a[self._always] = 1.0
         return a
 
+    def appearance_per_tokens(self, tokens: int) -> torch.Tensor:
+        """a, float32 (V,): the appearance per `tokens` target tokens instead of per step,
+        a_k = tokens · c_k / Σ_j c_j = (c_k / min(t, K)) · tokens / T̄ with T̄ = Σ_j c_j / min(t, K)
+        the mean target tokens per step over the window; 1 for `always_frequent` ids; 0 before
+        anything was counted. Equals `appearance` when T̄ = tokens."""
+        total = int(self._total.sum())
+        if total == 0 or tokens * self.steps_in_window == total:
+            return self.appearance()  # T̄ = tokens: the per-step appearance, the same float32 arithmetic
+        a = (self._total.to(torch.float64) * (tokens / total)).to(torch.float32)
+        if self._always.numel():
+            a[self._always] = 1.0
+        return a
+
+    def tokens_per_step(self) -> float:
+        """T̄ = Σ_j c_j / min(t, K): the mean (global) target tokens per step over the window."""
+        return int(self._total.sum()) / self.steps_in_window
+
+    def newest_step_counts(self) -> torch.Tensor:
+        """int64 (V,): the counts of the newest completed step (after `step`), else of the
+        current one."""
+        dense = torch.zeros(self.vocab_size, dtype=torch.int64)
+        entries = [self._ring[-1]] if self._ring and not self._current else self._current
+        for ids, counts in entries:
+            dense.index_add_(0, ids.to(torch.int64), counts.to(torch.int64))
+        return dense
+
     @property
     def nbytes(self) -> int:
         """Bytes held: the running total plus the sparse per-step counts of the window."""

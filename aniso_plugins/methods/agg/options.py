@@ -25,10 +25,16 @@ class AGGOptions(Options):
     """AGG (Yu et al. 2022)."""
 
     SEQUENCES = {"special_ids": int, "agg_parts": str}
-    STATE_FIELDS = ("alpha", "special_ids")
+    STATE_FIELDS = ("alpha", "alpha_tokens", "special_ids")
 
     alpha: float = 0.03
     """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""
+    alpha_tokens: int | None = None
+    """The target tokens per optimizer update that ``alpha`` refers to (the recipe it was tuned
+    on), so that rarity means the same at every batch size: the appearance is then counted per
+    ``alpha_tokens`` target tokens, a_k = alpha_tokens · c_k / Σ_j c_j over the window, instead of
+    per update of this run (docs/methods.md §1.1). None: per update, the paper's semantics (equal
+    to it whenever this run's tokens per update equal alpha_tokens)."""
     window: int | None = None
     """K, optimizer steps the token counter remembers. None: one epoch when the adapter knows it."""
     special_ids: IntList = list_field()
@@ -49,6 +55,7 @@ class AGGOptions(Options):
         check_choices("agg_parts", self.agg_parts, AGG_PARTS)
         check_range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
         check_positive_or_none("window", self.window)
+        check_positive_or_none("alpha_tokens", self.alpha_tokens)
         check_positive_or_none("agg_static_after", self.agg_static_after)
         check_token_ids("special_ids", self.special_ids)
 

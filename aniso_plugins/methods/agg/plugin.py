@@ -52,6 +52,7 @@ class AGGPlugin(Plugin):
         self.last_gates: RowGates | None = None
         self._static: tuple[torch.Tensor, int] | None = None  # (appearance, steps) frozen by agg_static_after
         self._step_warned = False
+        self._rarity_told = False  # the info line of the first measurement
 
     # --- hooks --------------------------------------------------------------------------------
     def setup(self, model: ModelHandle) -> None:
@@ -121,7 +122,7 @@ class AGGPlugin(Plugin):
         self._check_consumed(step)
         after = self.config.agg_static_after
         if after is not None and self._static is None and counter.step_index >= after:
-            self._static = (counter.appearance(), counter.steps_in_window)
+            self._static = (self._appearance(counter), counter.steps_in_window)
         counter.step()
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
@@ -133,8 +134,22 @@ class AGGPlugin(Plugin):
         rare = gates.rare
         n_rare = int(rare.sum())
         nan = float("nan")
+        step_counts = self.counter.newest_step_counts()
+        step_tokens = int(step_counts.sum())
+        rare_tokens = float(step_counts[rare].sum()) / step_tokens if step_tokens else nan
+        if not self._rarity_told:
+            self._rarity_told = True
+            per = (f"per {self.config.alpha_tokens} target tokens (this run: {self.counter.tokens_per_step():.0f} per "
+                   "update)" if self.config.alpha_tokens else "per update")  # fmt: skip
+            logger.info(
+                "AGG at step %d: %d of %d ids are rare (%.1f%% of the vocabulary, a_k < alpha=%g %s), %.1f%% of the "
+                "step's target tokens",
+                step.step, n_rare, rare.numel(), 100.0 * n_rare / rare.numel(), self.config.alpha, per, 100.0 * rare_tokens,
+            )  # fmt: skip
         return {
             "agg/rare_size": float(n_rare),
+            "agg/rare_vocab_fraction": n_rare / rare.numel(),
+            "agg/rare_target_fraction": rare_tokens,
             "agg/g1_mean_rare": float(gates.g1[rare].mean()) if n_rare else nan,
             "agg/g2_mean_rare": float(gates.g2[rare].mean()) if n_rare else nan,
             "agg/counter_bytes": float(self.counter.nbytes),
@@ -203,9 +218,14 @@ class AGGPlugin(Plugin):
             raise RuntimeError("AGG: no token counter yet (the adapter must call TrainingSession.begin_training first)")
         return self.counter
 
+    def _appearance(self, counter: SlidingTokenCounter) -> torch.Tensor:
+        """a_k per update (the paper), or per ``alpha_tokens`` target tokens."""
+        tokens = self.config.alpha_tokens
+        return counter.appearance() if tokens is None else counter.appearance_per_tokens(tokens)
+
     def _gates(self, counter: SlidingTokenCounter) -> RowGates:
         c = self.config
-        appearance, steps = self._static or (counter.appearance(), counter.steps_in_window)
+        appearance, steps = self._static or (self._appearance(counter), counter.steps_in_window)
         return agg_gates(
             appearance,
             c.alpha,
