@@ -13,8 +13,10 @@ heads: forward + backward of the head and its loss for every (V, N) of ``--vocab
 at d = ``--dim``, plus d = ``--extra-dim`` at the smallest N. Variants: ``plain``
 (``F.cross_entropy(F.linear(x, W).float(), y)``), ``gated_linear`` (+ CE, typical gates),
 ``fused_ones`` / ``fused_typical`` (`fused_linear_cross_entropy` with gates all ones / typical gates),
-``cce_compile`` (Apple Cut Cross-Entropy, ``linear_cross_entropy(..., impl="torch_compile")``,
-plain CE), and on CUDA only ``cce_triton`` (CCE's Triton kernel, ``impl="cce"``) and
+``torch_lce`` (PyTorch's own chunked ``F.linear_cross_entropy(x, W, y,
+options=torch.nn.LinearCrossEntropyOptions())``, torch >= 2.13, plain CE), ``cce_compile``
+(Apple Cut Cross-Entropy, ``linear_cross_entropy(..., impl="torch_compile")``, plain CE), and on
+CUDA only ``cce_triton`` (CCE's Triton kernel, ``impl="cce"``) and
 ``liger_flce`` (Liger-Kernel's fused linear cross-entropy); a peer that is not installed or
 needs CUDA is skipped with the reason. Inputs: x (N, d) and W (V, d) float32 leaves (bf16:
 the step runs under bf16 autocast and the peers get ``x.to(bf16)``, ``W.to(bf16)``), Zipf(1.2)
@@ -80,12 +82,13 @@ from measure import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "gated_linear", "fused_ones", "fused_typical", "cce_compile", "cce_triton", "liger_flce")
+VARIANTS = ("plain", "gated_linear", "fused_ones", "fused_typical", "torch_lce", "cce_compile", "cce_triton", "liger_flce")
 LABELS = {
     "plain": "plain F.linear + CE",
     "gated_linear": "gated_linear + CE",
     "fused_ones": "fused, gates 1",
     "fused_typical": "fused, typical gates",
+    "torch_lce": "torch linear_cross_entropy",
     "cce_compile": "CCE torch_compile",
     "cce_triton": "CCE Triton",
     "liger_flce": "Liger FLCE",
@@ -143,6 +146,8 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
         gates = inp.ones if variant == "fused_ones" else inp.gates
         return fused_linear_cross_entropy(x, w, y, gates, chunk_size=chunk or None)
     peer = DTYPES[dtype]
+    if variant == "torch_lce":
+        return F.linear_cross_entropy(x.to(peer), w.to(peer), y, options=torch.nn.LinearCrossEntropyOptions())
     if variant in ("cce_compile", "cce_triton"):
         from cut_cross_entropy import linear_cross_entropy
 
@@ -167,6 +172,8 @@ def unavailable(variant: str, device: str) -> str | None:
     """Why `variant` cannot run here, or None."""
     if variant in ("cce_triton", "liger_flce") and device != "cuda":
         return "Triton GPU kernel: needs --device cuda"
+    if variant == "torch_lce" and not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+        return f"torch {torch.__version__} has no chunked linear_cross_entropy (torch >= 2.13)"
     module = {"cce_compile": "cut_cross_entropy", "cce_triton": "cut_cross_entropy", "liger_flce": "liger_kernel"}
     if variant in module:
         try:
