@@ -83,6 +83,20 @@ def test_plain_peak_is_a_few_logits_tensors():
     assert lines["fused_ones"]["peak"] < logits
 
 
+def test_torch_peer_runs_and_its_loss_is_plain_cross_entropy():
+    """The torch_lce variant (F.linear_cross_entropy, chunked) runs in a worker, and its loss on
+    the benchmark's inputs is F.cross_entropy of the explicit logits (float64 reference)."""
+    import scale
+
+    line = _worker("2048,512,32", "torch_lce", 8.0)
+    assert line["status"] == "ok" and line["peak"] > 0
+    inp = scale.make_inputs(2048, 512, 32, torch.device("cpu"))
+    with torch.no_grad():
+        got = scale.loss_of("torch_lce", inp, "fp32", 0)
+        want = torch.nn.functional.cross_entropy(inp.x.double() @ inp.w.double().T, inp.y)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+
+
 @pytest.mark.slow
 def test_gpu_script_smoke_mode_prints_every_table(tmp_path):
     """`bash benchmarks/gpu.sh --device cpu`: the three GPU runs at tiny sizes; the GPU-only
