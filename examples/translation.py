@@ -236,7 +236,8 @@ def _train_and_score(name: str, seed: int, language: Language, data: dict[str, l
     torch.manual_seed(seed)
     model = build_model(language.vocab_size, a)
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
-    config = AnisoConfig(**METHODS[name], metrics=METRICS)
+    extra = {"alpha_tokens": a.alpha_tokens} if name == "agg" and a.alpha_tokens else {}
+    config = AnisoConfig(**METHODS[name], **extra, metrics=METRICS)
     args = Seq2SeqTrainingArguments(
         output_dir=scratch, max_steps=a.steps,
         per_device_train_batch_size=a.batch_size, per_device_eval_batch_size=64, learning_rate=a.lr,
@@ -284,7 +285,10 @@ def settings_of(a: argparse.Namespace) -> dict:
     """What makes two runs of one method and seed the same run (for resuming)."""
     keys = ("steps", "words", "zipf", "data_seed", "train_size", "valid_size", "test_size", "batch_size",
             "d_model", "layers", "lr", "beams", "max_length")  # fmt: skip
-    return {k: getattr(a, k) for k in keys}
+    settings = {k: getattr(a, k) for k in keys}
+    if a.alpha_tokens:  # only when set: runs recorded before the option keep their settings
+        settings["alpha_tokens"] = a.alpha_tokens
+    return settings
 
 
 def load_runs(path: Path) -> list[dict]:
@@ -372,6 +376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--d-model", type=_positive(int), default=64)
     p.add_argument("--layers", type=_positive(int), default=2, help="encoder layers = decoder layers")
     p.add_argument("--lr", type=_positive(float), default=2e-3)
+    p.add_argument("--alpha-tokens", type=_positive(int), default=None,
+                   help="AGG's alpha per this many target tokens (AnisoConfig.alpha_tokens; the official WMT recipe "
+                        "updates on about 65536); default: per update, as the paper")  # fmt: skip
     a = p.parse_args(argv)
     profile = QUICK if a.quick else FULL
     for key, value in profile.items():
