@@ -37,6 +37,8 @@ from hf_train import train
 STUDY: dict[str, dict] = {
     "mle": dict(method="none"),
     "agg": dict(method="agg", alpha=0.03),
+    # alpha per the official WikiText-103 recipe's tokens per update (4096 x update-freq 8), not per this run's 1008
+    "agg, alpha per 32768 tokens": dict(method="agg", alpha=0.03, alpha_tokens=32768),
     "agg, no g1": dict(method="agg", alpha=0.03, agg_g1=False),
     "agg, no g2": dict(method="agg", alpha=0.03, agg_g2=False),
     "agg, static grouping": dict(method="agg", alpha=0.03, agg_static_after=100),  # fixed after 1 epoch (Table 9)

@@ -6,6 +6,7 @@ on a synthetic translation task, MLE against AGG, several seeds.
     python examples/translation.py --methods agg --seeds 0      # one run
     python examples/translation.py --quick                      # a smoke run: tiny data, 40 steps
     python examples/translation.py --output-dir mt_out          # results.json, results.md there
+    python examples/translation.py --label-smoothing 0.1 --alpha-tokens 65536   # as the official recipe
 
 The task (`Language`, generated from ``--data-seed``; nothing is downloaded): source sentences
 of 5-20 words drawn from a Zipf distribution (exponent ``--zipf``) over ``--words`` word ids,
@@ -23,12 +24,13 @@ frequency metrics is the tail of target words seen few times, or never, in train
 The model: `MarianMTModel` from a `MarianConfig` (d_model 64, 2 + 2 layers, 4 heads, ffn 128,
 sinusoidal positions up to 64, shared and tied embeddings). Methods: ``mle`` (plain
 cross-entropy, ``AnisoConfig(method="none")``) and ``agg`` (``AnisoConfig(method="agg",
-alpha=0.08)``, the paper's value for MT), both measuring the ``geometry``, ``frequency`` and
-``eval`` metrics. Per run: BLEU of the beam-search translations of a held-out test set
-(``trainer.predict`` with ``predict_with_generate``, sacrebleu on the word strings), the
-teacher-forced validation perplexity overall and per frequency group, Uniq (distinct argmax
-predictions), I(W) of the head and of its rare rows, the mean cosine of the head's rows and
-the rare-frequent cosine. The table (mean ± std over seeds) is printed and written to
+alpha=0.08)``, the paper's value for MT; ``--alpha``, ``--alpha-tokens`` and ``--window`` change
+the agg arm), both measuring the ``geometry``, ``frequency`` and ``eval`` metrics, both with
+``--label-smoothing`` (the Trainer's ``label_smoothing_factor``; the official recipe's is 0.1).
+Per run: BLEU of the beam-search translations of a held-out test set (``trainer.predict``
+with ``predict_with_generate``, sacrebleu on the word strings), the teacher-forced validation
+perplexity overall and per frequency group, Uniq (distinct argmax predictions), I(W) of the
+head and of its rare rows, the mean cosine of the head's rows and the rare-frequent cosine. The table (mean ± std over seeds) is printed and written to
 ``results.md``; every run's numbers go to ``results.json``, written after each run: running
 the same command on the same ``--output-dir`` again skips the runs already there (``--fresh``
 starts over).
@@ -65,6 +67,7 @@ METHODS: dict[str, dict] = {
     "agg": dict(method="agg", alpha=0.08),  # the AGG paper's alpha for machine translation
 }
 METRICS = ("geometry", "frequency", "eval")
+AGG_OPTIONS = ("alpha", "alpha_tokens", "window")  # command-line overrides of the agg arm's AnisoConfig fields
 
 # (label, key in a run's final metrics); evaluation metrics carry the Trainer's "eval_" prefix
 COLUMNS = [
@@ -188,8 +191,9 @@ class Pairs(torch.utils.data.Dataset):
 
 
 def collate(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
-    """Right-pads ``input_ids`` with pad (plus the attention mask) and ``labels`` with -100; the
-    model builds ``decoder_input_ids`` from the labels (shifted right after the decoder start)."""
+    """Right-pads ``input_ids`` with pad (plus the attention mask) and ``labels`` with -100, and
+    gives ``decoder_input_ids``: the labels shifted right after the decoder start, pad for -100 (what
+    the model builds from labels itself, but with label smoothing the Trainer keeps the labels from it)."""
     width = max(len(x["input_ids"]) for x in items)
     batch = {
         "input_ids": torch.tensor([x["input_ids"] + [PAD] * (width - len(x["input_ids"])) for x in items]),
@@ -198,6 +202,7 @@ def collate(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     if "labels" in items[0]:
         width = max(len(x["labels"]) for x in items)
         batch["labels"] = torch.tensor([x["labels"] + [-100] * (width - len(x["labels"])) for x in items])
+        batch["decoder_input_ids"] = torch.tensor([[BOS] + x["labels"][:-1] + [PAD] * (width - len(x["labels"])) for x in items])
     return batch
 
 
@@ -236,15 +241,17 @@ def _train_and_score(name: str, seed: int, language: Language, data: dict[str, l
     torch.manual_seed(seed)
     model = build_model(language.vocab_size, a)
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
-    extra = {"alpha_tokens": a.alpha_tokens} if name == "agg" and a.alpha_tokens else {}
-    config = AnisoConfig(**METHODS[name], **extra, metrics=METRICS)
+    method = dict(METHODS[name])
+    if name == "agg":
+        method.update({k: getattr(a, k) for k in AGG_OPTIONS if getattr(a, k) is not None})
+    config = AnisoConfig(**method, metrics=METRICS)
     args = Seq2SeqTrainingArguments(
         output_dir=scratch, max_steps=a.steps,
         per_device_train_batch_size=a.batch_size, per_device_eval_batch_size=64, learning_rate=a.lr,
         weight_decay=0.01, warmup_steps=max(1, a.steps // 10), lr_scheduler_type="cosine",
         logging_steps=max(1, a.steps // 8), eval_strategy="no", save_strategy="no", report_to="none",
         use_cpu=True, seed=seed, disable_tqdm=True, predict_with_generate=True,
-        generation_max_length=a.max_length, generation_num_beams=a.beams,
+        generation_max_length=a.max_length, generation_num_beams=a.beams, label_smoothing_factor=a.label_smoothing,
     )  # fmt: skip
     trainer = Seq2SeqTrainer(
         model=model, args=args, data_collator=collate, train_dataset=Pairs(data["train"]),
@@ -286,8 +293,10 @@ def settings_of(a: argparse.Namespace) -> dict:
     keys = ("steps", "words", "zipf", "data_seed", "train_size", "valid_size", "test_size", "batch_size",
             "d_model", "layers", "lr", "beams", "max_length")  # fmt: skip
     settings = {k: getattr(a, k) for k in keys}
-    if a.alpha_tokens:  # only when set: runs recorded before the option keep their settings
-        settings["alpha_tokens"] = a.alpha_tokens
+    # only when set: runs recorded before these options keep their settings
+    settings.update({k: getattr(a, k) for k in AGG_OPTIONS if getattr(a, k) is not None})
+    if a.label_smoothing:
+        settings["label_smoothing"] = a.label_smoothing
     return settings
 
 
@@ -379,6 +388,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--alpha-tokens", type=_positive(int), default=None,
                    help="AGG's alpha per this many target tokens (AnisoConfig.alpha_tokens; the official WMT recipe "
                         "updates on about 65536); default: per update, as the paper")  # fmt: skip
+    p.add_argument("--alpha", type=_positive(float), default=None, help="AGG's alpha (default 0.08, the paper's for MT)")
+    p.add_argument("--window", type=_positive(int), default=None,
+                   help="AGG's window K in optimizer steps (default: one epoch, as the official code)")  # fmt: skip
+    p.add_argument("--label-smoothing", type=float, default=0.0,
+                   help="label smoothing of both arms' loss (the official WMT recipe: 0.1; default 0)")  # fmt: skip
     a = p.parse_args(argv)
     profile = QUICK if a.quick else FULL
     for key, value in profile.items():
@@ -388,6 +402,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.seeds = QUICK_SEEDS if a.quick else [0, 1, 2]
     if a.words < 2 * len(CLASSES) * PARTICLES:
         p.error(f"--words {a.words}: expected at least {2 * len(CLASSES) * PARTICLES}")
+    if not 0.0 <= a.label_smoothing < 1.0:
+        p.error(f"--label-smoothing {a.label_smoothing}: expected a number in [0, 1)")
     if a.d_model % 4:
         p.error(f"--d-model {a.d_model}: expected a multiple of 4 (the model has 4 attention heads)")
     a.max_length = 48  # the longest target: 20 words, each a verb with its particle, and eos, after <s>
@@ -439,6 +455,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     header = (
         f"Translation (synthetic, {a.words} Zipfian words, {a.train_size} pairs): {', '.join(a.methods)} x seeds "
         f"{','.join(map(str, a.seeds))}, {a.steps} steps, d={a.d_model}, beams {a.beams}"
+        + "".join(f", {k} {v}" for k, v in settings.items() if k in (*AGG_OPTIONS, "label_smoothing"))
     )
     (directory / "results.md").write_text(f"# {header}\n\n{table}\n")
     print(f"\n{header}\n\n{table}\n\n{results}\n{directory / 'results.md'}")

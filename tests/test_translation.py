@@ -39,6 +39,30 @@ def test_language_is_deterministic_and_follows_its_rules():
     assert batch["input_ids"].shape == batch["attention_mask"].shape
     assert batch["input_ids"][batch["attention_mask"] == 0].eq(0).all()  # padded with <pad>
     assert int((batch["labels"] == EOS).sum()) == 3 and int((batch["labels"] == 0).sum()) == 0  # labels with -100
+    # the decoder inputs are the model's own shift of the labels (the Trainer keeps labels from the model under
+    # label smoothing, so the batch must carry them)
+    from transformers.models.marian.modeling_marian import shift_tokens_right
+
+    assert batch["decoder_input_ids"].equal(shift_tokens_right(batch["labels"], 0, 2))
+
+
+def test_label_smoothing_and_agg_options_reach_the_trainer(tmp_path, run_example):
+    """--label-smoothing (both arms) and the agg arm's --alpha / --alpha-tokens / --window: recorded in the
+    run's settings and in effect (the label smoother raises the Trainer's loss above the model's NLL; an alpha
+    beyond every appearance makes the whole vocabulary rare)."""
+    out = tmp_path / "mt"
+    common = ("--quick", "--seeds", "0", "--output-dir", str(out), "--label-smoothing", "0.1")
+    run_example("translation.py", *common, "--methods", "mle,agg", "--alpha-tokens", "65536", "--alpha", "1e9", "--window", "7")
+    runs = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    for r in runs.values():
+        assert r["settings"]["label_smoothing"] == 0.1
+        assert {k: r["settings"][k] for k in ("alpha", "alpha_tokens", "window")} == {"alpha": 1e9, "alpha_tokens": 65536, "window": 7}
+        f = r["final"]
+        # smoothed loss (1 - e) NLL + e mean_k(-log p_k) > NLL = log(ppl), the unsmoothed eval metric
+        assert f["eval_loss"] > math.log(f["eval_aniso/eval/ppl"]) + 0.05
+    assert runs["agg"]["final"]["aniso/agg/rare_vocab_fraction"] == 1.0
+    assert "aniso/agg/rare_vocab_fraction" not in runs["mle"]["final"]
+    assert "label_smoothing 0.1" in (out / "results.md").read_text().splitlines()[0]
 
 
 def test_quick_translation_runs_both_methods_and_resumes(tmp_path, run_example):
@@ -97,6 +121,8 @@ def test_quick_translation_runs_both_methods_and_resumes(tmp_path, run_example):
         (("--zipf", "nan"), "expected a number > 0"),
         (("--words", "5"), "--words 5: expected at least"),
         (("--d-model", "30"), "expected a multiple of 4"),
+        (("--label-smoothing", "1"), "--label-smoothing 1.0: expected a number in [0, 1)"),
+        (("--window", "0"), "expected an integer > 0"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(flags, message, capsys):
