@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU cases of issue 16 on one CUDA device, every table printed (docs/performance.md §7.5):
 #   1. head + loss at V=128256, d=4096, N in {4096, 16384, 32768}, bf16: plain, fused AGG (gates 1
-#      and typical), Liger-Kernel FLCE, CCE Triton and CCE torch_compile (a peer that is not
-#      installed is skipped with the reason);
+#      and typical), PyTorch's F.linear_cross_entropy, Liger-Kernel FLCE, CCE Triton and CCE
+#      torch_compile (a peer that is not installed is skipped with the reason);
 #   2. the token counter at V=262144, 65536 targets/step, K=10000 (targets on the GPU);
 #   3. one geometry measurement and one bottleneck probe at V=131072, d=4096.
 # Budget: about 8 minutes on one recent GPU, most of it the counter's 10,200 CPU-side steps per law
@@ -16,7 +16,7 @@ PYTHON="${PYTHON:-python3}"
 cd "$(dirname "$0")"
 DEVICE=cuda
 if [[ "${1:-}" == "--device" ]]; then DEVICE="${2:?--device needs cpu or cuda}"; fi
-PEERS=plain,fused_ones,fused_typical,liger_flce,cce_triton,cce_compile
+PEERS=plain,fused_ones,fused_typical,torch_lce,liger_flce,cce_triton,cce_compile
 if [[ "$DEVICE" == cuda ]]; then
   HEADS=(--vocab 128256 --tokens 4096,16384,32768 --dim 4096 --rounds 5 --time-flops 1e16 --run-flops 1e16)
   COUNTER=(--counter-vocab 262144 --counter-tokens 65536 --window 10000)

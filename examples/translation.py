@@ -202,7 +202,7 @@ def collate(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     if "labels" in items[0]:
         width = max(len(x["labels"]) for x in items)
         batch["labels"] = torch.tensor([x["labels"] + [-100] * (width - len(x["labels"])) for x in items])
-        batch["decoder_input_ids"] = torch.tensor([[BOS] + x["labels"][:-1] + [PAD] * (width - len(x["labels"])) for x in items])
+        batch["decoder_input_ids"] = torch.tensor([([BOS] + x["labels"] + [PAD] * (width - len(x["labels"])))[:width] for x in items])
     return batch
 
 
