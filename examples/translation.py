@@ -30,10 +30,10 @@ the agg arm), both measuring the ``geometry``, ``frequency`` and ``eval`` metric
 Per run: BLEU of the beam-search translations of a held-out test set (``trainer.predict``
 with ``predict_with_generate``, sacrebleu on the word strings), the teacher-forced validation
 perplexity overall and per frequency group, Uniq (distinct argmax predictions), I(W) of the
-head and of its rare rows, the mean cosine of the head's rows and the rare-frequent cosine. The table (mean ± std over seeds) is printed and written to
-``results.md``; every run's numbers go to ``results.json``, written after each run: running
-the same command on the same ``--output-dir`` again skips the runs already there (``--fresh``
-starts over).
+head and of its rare rows, the mean cosine of the head's rows and the rare-frequent cosine.
+The table (mean ± std over seeds) is printed and written to ``results.md``; every run's numbers
+go to ``results.json``, written after each run: running the same command on the same
+``--output-dir`` again skips the runs already there (``--fresh`` starts over).
 
 docs/results.md §5 has the 3-seed table and the run times (``--quick`` is a short run of
 both methods). Validation perplexity and Uniq are teacher-forced (`trainer.evaluate()`); only the
@@ -192,8 +192,9 @@ class Pairs(torch.utils.data.Dataset):
 
 def collate(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     """Right-pads ``input_ids`` with pad (plus the attention mask) and ``labels`` with -100, and
-    gives ``decoder_input_ids``: the labels shifted right after the decoder start, pad for -100 (what
-    the model builds from labels itself, but with label smoothing the Trainer keeps the labels from it)."""
+    gives ``decoder_input_ids``: the labels shifted right after the decoder start, pad for -100, as
+    the model builds them from labels itself (under label smoothing the Trainer keeps the labels
+    from the model, so the batch must carry them)."""
     width = max(len(x["input_ids"]) for x in items)
     batch = {
         "input_ids": torch.tensor([x["input_ids"] + [PAD] * (width - len(x["input_ids"])) for x in items]),
