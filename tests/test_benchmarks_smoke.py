@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH)
 
-from measure import PeakMemory, is_oom
+from measure import is_oom
 
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, BENCH]), TORCHINDUCTOR_COMPILE_THREADS="1")
 
@@ -46,16 +46,28 @@ def test_worker_pairs_each_round_with_the_baseline_and_the_peer_ratio_is_the_pai
     assert scale.peer_ratios(cell, "fused_typical", "plain") == (1.0 / 3.0, 0.25, False)  # no CCE ratios: seconds
 
 
+PEAK_OF_A_KNOWN_BLOCK = """
+import torch
+from measure import PeakMemory
+size = 64 * 2**20  # float32 elements: 256 MiB
+warm = torch.ones(2 * size)
+del warm
+with PeakMemory(torch.device("cpu")) as peak:
+    block = torch.ones(size)
+    del block
+print(peak.bytes)
+"""
+
+
 def test_peak_memory_of_a_known_allocation():
     """The CPU peak of a block that allocates, touches and frees 256 MiB is 256 MiB (-3%, +8%), and
-    freed memory before the block does not count."""
-    size = 64 * 2**20  # float32 elements: 256 MiB
-    warm = torch.ones(2 * size)
-    del warm
-    with PeakMemory(torch.device("cpu")) as peak:
-        block = torch.ones(size)
-        del block
-    assert 0.97 * 256 * 2**20 <= peak.bytes <= 1.08 * 256 * 2**20
+    freed memory before the block does not count. In a fresh process, as the benchmarks measure
+    (in the test process the allocator's history of earlier tests decides what a block costs:
+    a 0-byte peak was seen with the suite run in another order)."""
+    done = subprocess.run([sys.executable, "-c", PEAK_OF_A_KNOWN_BLOCK], check=False, capture_output=True, text=True,
+                          env=ENV, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 0.97 * 256 * 2**20 <= int(done.stdout.split()[-1]) <= 1.08 * 256 * 2**20
 
 
 def test_is_oom_recognises_allocation_failures():
