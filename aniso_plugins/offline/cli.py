@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from aniso_plugins.core.version import __version__
 from aniso_plugins.offline.errors import ReportError
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,26 +76,56 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextmanager
+def _sigint_seen() -> Iterator[list[bool]]:
+    """SIGINT raises KeyboardInterrupt as usual and is also remembered, so that no library can
+    turn a Ctrl-C into something else: one that catches it inside an import and fails on the
+    retry (numpy's "cannot load module more than once per process") still exits 130, and one
+    that lands in a finalizer, where Python prints it and drops it, prints nothing (the command
+    then runs to its end: a second Ctrl-C stops it)."""
+    seen = [False]
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield seen
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        seen[0] = True
+        raise KeyboardInterrupt
+
+    def on_unraisable(unraisable: Any) -> None:
+        if not (seen[0] and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+            previous_hook(unraisable)
+
+    previous, previous_hook = signal.signal(signal.SIGINT, on_sigint), sys.unraisablehook
+    sys.unraisablehook = on_unraisable
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the subcommand; every failure and a Ctrl-C at any point, torch's import
     included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted)."""
     args = _parser().parse_args(argv)
-    try:
-        from aniso_plugins.offline.commands import COMMANDS  # torch and transformers load here
+    with _sigint_seen() as interrupted:
+        try:
+            from aniso_plugins.offline.commands import COMMANDS  # torch and transformers load here
 
-        return COMMANDS[args.command](args)
-    except ReportError as e:
-        print(f"aniso {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"aniso {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # anything unexpected: one line, no traceback (ANISO_DEBUG=1 shows it)
-        if os.environ.get("ANISO_DEBUG"):
-            raise
-        text = str(e).strip().splitlines()
-        print(f"aniso {args.command}: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
-        return EXIT_ERROR
+            return COMMANDS[args.command](args)
+        except (KeyboardInterrupt, Exception) as e:
+            if isinstance(e, KeyboardInterrupt) or interrupted[0]:
+                print(f"aniso {args.command}: interrupted", file=sys.stderr)
+                return EXIT_INTERRUPTED
+            if isinstance(e, ReportError):
+                print(f"aniso {args.command}: error: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            if os.environ.get("ANISO_DEBUG"):  # anything unexpected: one line, no traceback unless asked
+                raise
+            text = str(e).strip().splitlines()
+            print(f"aniso {args.command}: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
+            return EXIT_ERROR
 
 
 if __name__ == "__main__":
