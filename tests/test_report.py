@@ -521,6 +521,41 @@ def test_ctrl_c_that_lands_in_a_finalizer_prints_no_traceback(monkeypatch, capsy
     assert sys.unraisablehook is sys.__unraisablehook__
 
 
+def test_ctrl_c_while_torch_loads_is_held_until_the_import_has_finished(monkeypatch, capsys):
+    """A KeyboardInterrupt raised while torch's C extension calls back into Python can abort the
+    process (SIGABRT, seen once in about 100 Ctrl-Cs of a report): the CLI holds a Ctrl-C back
+    until its commands (and torch) have loaded, then exits 130."""
+    import importlib.abc
+    import importlib.util
+    import signal
+
+    import aniso_plugins.offline as offline
+    from aniso_plugins.offline import cli, commands
+
+    finished = []
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, module):
+            signal.raise_signal(signal.SIGINT)  # the user's Ctrl-C, halfway through the import
+            sum(range(1000))
+            module.COMMANDS = {"report": lambda args: 0}
+            finished.append(True)
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            return importlib.util.spec_from_loader(name, Loader()) if name == commands.__name__ else None
+
+    monkeypatch.setattr(offline, "commands", commands)  # the import rebinds it; put the real one back after
+    monkeypatch.delitem(sys.modules, commands.__name__)
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    assert cli.main(["report", "m"]) == 130
+    assert finished == [True]
+    assert capsys.readouterr().err.strip().splitlines() == ["aniso report: interrupted"]
+
+
 def test_plots_share_their_axes_and_label_what_they_show(zoo):
     """cosines.png: 'centering' is the 'centred' panel, not a second one, and the panels share
     their axes; projection.png: side-by-side panels share axes, every group drawn in one random

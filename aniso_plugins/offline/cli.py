@@ -76,46 +76,68 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextmanager
-def _sigint_seen() -> Iterator[list[bool]]:
-    """SIGINT raises KeyboardInterrupt as usual and is also remembered, so that no library can
-    turn a Ctrl-C into something else: one that catches it inside an import and fails on the
-    retry (numpy's "cannot load module more than once per process") still exits 130, and one
-    that lands in a finalizer, where Python prints it and drops it, prints nothing (the command
-    then runs to its end: a second Ctrl-C stops it)."""
-    seen = [False]
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
-        yield seen
-        return
+class _CtrlC:
+    """SIGINT while a command runs. It raises KeyboardInterrupt as usual and is also remembered,
+    so that no library can turn a Ctrl-C into something else: one that catches it inside an
+    import and fails on the retry (numpy's "cannot load module more than once per process")
+    still exits 130, and one that lands in a finalizer, where Python prints it and drops it,
+    prints nothing (the command then runs on: a second Ctrl-C stops it). Inside `held()` it is
+    only remembered, and raised at the block's end."""
 
-    def on_sigint(signum: int, frame: object) -> None:
-        seen[0] = True
-        raise KeyboardInterrupt
+    def __init__(self) -> None:
+        self.seen = False
+        self._holding = False
 
-    def on_unraisable(unraisable: Any) -> None:
-        if not (seen[0] and issubclass(unraisable.exc_type, KeyboardInterrupt)):
-            previous_hook(unraisable)
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.seen = True
+        if not self._holding:
+            raise KeyboardInterrupt
 
-    previous, previous_hook = signal.signal(signal.SIGINT, on_sigint), sys.unraisablehook
-    sys.unraisablehook = on_unraisable
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        sys.unraisablehook = previous_hook
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+            yield
+            return
+        previous_hook = sys.unraisablehook
+
+        def on_unraisable(unraisable: Any) -> None:
+            if not (self.seen and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+                previous_hook(unraisable)
+
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        sys.unraisablehook = on_unraisable
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            sys.unraisablehook = previous_hook
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """No KeyboardInterrupt inside the block: one raised while torch's C extension calls
+        back into Python aborts the process (SIGABRT, seen once in about 100 Ctrl-Cs)."""
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
+        if self.seen:
+            raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the subcommand; every failure and a Ctrl-C at any point, torch's import
     included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted)."""
     args = _parser().parse_args(argv)
-    with _sigint_seen() as interrupted:
+    ctrl_c = _CtrlC()
+    with ctrl_c.installed():
         try:
-            from aniso_plugins.offline.commands import COMMANDS  # torch and transformers load here
+            with ctrl_c.held():
+                from aniso_plugins.offline.commands import COMMANDS  # torch loads here
 
             return COMMANDS[args.command](args)
         except (KeyboardInterrupt, Exception) as e:
-            if isinstance(e, KeyboardInterrupt) or interrupted[0]:
+            if isinstance(e, KeyboardInterrupt) or ctrl_c.seen:
                 print(f"aniso {args.command}: interrupted", file=sys.stderr)
                 return EXIT_INTERRUPTED
             if isinstance(e, ReportError):
