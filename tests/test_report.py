@@ -523,7 +523,7 @@ def test_ctrl_c_that_lands_in_a_finalizer_prints_no_traceback(monkeypatch, capsy
 
 def test_ctrl_c_while_torch_loads_is_held_until_the_import_has_finished(monkeypatch, capsys):
     """A KeyboardInterrupt raised while torch's C extension calls back into Python can abort the
-    process (SIGABRT, seen once in about 100 Ctrl-Cs of a report): the CLI holds a Ctrl-C back
+    process (SIGABRT, seen twice in about 200 Ctrl-Cs of a report): the CLI holds a Ctrl-C back
     until its commands (and torch) have loaded, then exits 130."""
     import importlib.abc
     import importlib.util

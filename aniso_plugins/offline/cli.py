@@ -115,7 +115,7 @@ class _CtrlC:
     @contextmanager
     def held(self) -> Iterator[None]:
         """No KeyboardInterrupt inside the block: one raised while torch's C extension calls
-        back into Python aborts the process (SIGABRT, seen once in about 100 Ctrl-Cs)."""
+        back into Python aborts the process (SIGABRT, seen twice in about 200 Ctrl-Cs)."""
         self._holding = True
         try:
             yield
