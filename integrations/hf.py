@@ -381,6 +381,7 @@ class AnisoCallback(TrainerCallback):
             accumulation_steps=args.gradient_accumulation_steps,
             grad_scaler=getattr(self.trainer.accelerator, "scaler", None),  # fp16 AMP
             label_smoothing=args.label_smoothing_factor if self.trainer.label_smoother is not None else 0.0,
+            engine_root=self.trainer.model_wrapped,
         )
         if state.global_step > 0:
             directory = self._resume_dir or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

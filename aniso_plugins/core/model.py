@@ -10,8 +10,9 @@ Parameters, same tying, same forwards)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.numerics.distributed import VocabShard, vocab_shard_rows
+from aniso_plugins.numerics.gathered import full_shape, gathered
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,17 +72,19 @@ class ModelHandle:
         self._undo: list[tuple[Callable[[], None], bool]] = []  # (undo, is head surgery)
         head_module = self.head()
         weight = getattr(head_module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        if not isinstance(weight, torch.Tensor) or len(full_shape(weight)) != 2:
             raise SetupError(
                 f"the LM head {type(head_module).__name__} at {head!r} has no 2-D `weight`; "
                 "expected an nn.Linear-like output projection of shape (vocab, hidden)"
             )
+        self._head_shape = tuple(full_shape(weight))
         embedding = getattr(self.input_embedding(), "weight", None)
-        if isinstance(embedding, torch.Tensor) and embedding.dim() == 2 and weight.shape != embedding.shape:
-            if tuple(weight.shape) == tuple(embedding.shape)[::-1]:
+        embedding_shape = tuple(full_shape(embedding)) if isinstance(embedding, torch.Tensor) else ()
+        if len(embedding_shape) == 2 and self._head_shape != embedding_shape:
+            if self._head_shape == embedding_shape[::-1]:
                 raise SetupError(
-                    f"the LM head {type(head_module).__name__} stores its weight as {tuple(weight.shape)}, the transpose "
-                    f"of the input embedding's {tuple(embedding.shape)} (vocab, hidden): aniso_plugins reads the head's "
+                    f"the LM head {type(head_module).__name__} stores its weight as {self._head_shape}, the transpose "
+                    f"of the input embedding's {embedding_shape} (vocab, hidden): aniso_plugins reads the head's "
                     "rows as token vectors, so the weight must be (vocab, hidden) as in nn.Linear(hidden, vocab)"
                 )
 
@@ -102,6 +106,19 @@ class ModelHandle:
     """The 1-D device mesh whose ranks each hold a contiguous ``torch.chunk`` of the sequence
     positions at the blocks' outputs (sequence parallelism); None: a rank's block outputs cover
     its whole micro-batch."""
+    engine_root: nn.Module | None = None
+    """The trainer's outermost wrapper of the model once its engine has wrapped it (FSDP1's root
+    ``FullyShardedDataParallel``), under which `full_weights` finds the units that hold the head
+    and the embedding; None: no such wrapper."""
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """While inside, the head's and the input embedding's parameters are full tensors on every
+        rank, also where the engine partitions them between steps (ZeRO-3's placeholders,
+        FSDP1's flat shards: `aniso_plugins.numerics.gathered`). Collective: every rank enters it.
+        Read-only; nothing is gathered where the engine keeps them whole or as DTensors."""
+        with gathered([self.head(), self.input_embedding()], self.engine_root):
+            yield
 
     def block_positions(self, per_position: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's part of a (..., T) per-position tensor of the micro-batch (targets, token
@@ -181,6 +198,7 @@ class ModelHandle:
 
     def _replace_head(self, module: nn.Module) -> None:
         _set(self.model, self._head, module)
+        self._head_shape = tuple(full_shape(module.weight))
 
     # --- the journal ------------------------------------------------------------------------
     def on_restore(self, undo: Callable[[], None], *, surgery: bool = False) -> None:
@@ -235,11 +253,13 @@ class ModelHandle:
 
     @property
     def vocab_size(self) -> int:
-        return self.head().weight.shape[0]
+        """V, the rows of the head's weight (as set up: also where an engine partitions it)."""
+        return self._head_shape[0]
 
     @property
     def hidden_size(self) -> int:
-        return self.head().weight.shape[1]
+        """d, the columns of the head's weight."""
+        return self._head_shape[1]
 
     def tied(self) -> bool:
         """True when the head and the input embedding share one weight Parameter."""
@@ -376,6 +396,7 @@ class OutputEmbeddingsHandle(ModelHandle):
             copies[active[0]] = module
         else:
             _set(self.model, self._head, module)
+        self._head_shape = tuple(full_shape(module.weight))
 
     def _decoder(self) -> nn.Module | None:
         get = getattr(self.model, "get_decoder", None)

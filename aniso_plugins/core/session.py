@@ -133,7 +133,8 @@ class TrainingSession:
         if self.handle is not None:
             raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
         try:
-            self.plugins.setup(handle)
+            with handle.full_weights():  # a model an engine built partitioned (ZeRO-3's zero.Init)
+                self.plugins.setup(handle)
             readers = self.plugins.reads_training_logits()
             if readers and handle.vocab_mesh is not None:
                 raise SetupError(
@@ -185,6 +186,7 @@ class TrainingSession:
         label_smoothing: float = 0.0,
         batch_group: dist.ProcessGroup | None = None,
         batch_copies: int = 1,
+        engine_root: nn.Module | None = None,
     ) -> RunInfo:
         """Training starts or resumes; the plugins learn what the trainer knows.
 
@@ -201,7 +203,9 @@ class TrainingSession:
         batch_copies: how many ranks hold each micro-batch (the tensor-parallel degree: the
             ranks of a TP group see the same tokens and sum the head input's gradient), so
             that a rank's activation-term share is weighted 1 / batch_copies of a data-parallel
-            rank's (`_activation_scale`).
+            rank's (`_activation_scale`);
+        engine_root: the trainer's outermost wrapper of the model once wrapped, where its engine
+            partitions parameters in units of its own (FSDP1: `ModelHandle.engine_root`).
         State loaded before this call is restored right after the plugins' hook."""
         if self.handle is None:
             raise SetupError("TrainingSession.setup(handle) must run before begin_training")
@@ -217,6 +221,7 @@ class TrainingSession:
         self._grad_scaler = grad_scaler
         self._batch_group = batch_group if batch_group is not None else world_group()
         self._batch_copies = batch_copies
+        self.handle.engine_root = engine_root
         self.plugins.begin_training(self.run)
         if self._pending_state is not None:
             (state, where), self._pending_state = self._pending_state, None
@@ -398,8 +403,14 @@ class TrainingSession:
 
     # --- measurement ------------------------------------------------------------------------
     def measure(self, step: int, kind: str = "train") -> dict[str, float]:
-        """Metrics (``aniso/...``) at `step`; collective, identical on every rank."""
-        return self.plugins.measure(StepInfo(step=step, measure=True, batch_group=self._batch_group), kind)
+        """Metrics (``aniso/...``) at `step`; collective, identical on every rank. The head and the
+        embedding are read whole (`ModelHandle.full_weights`: gathered where an engine partitions
+        them between steps)."""
+        info = StepInfo(step=step, measure=True, batch_group=self._batch_group)
+        if self.handle is None:
+            return self.plugins.measure(info, kind)
+        with self.handle.full_weights():
+            return self.plugins.measure(info, kind)
 
     def measure_and_log(
         self, step: int, kind: str = "train", sink: MetricsSink | None = None, prefix: str = ""
@@ -449,8 +460,13 @@ class TrainingSession:
 
     def end_training(self, output_dir: str | os.PathLike, main_process: bool) -> None:
         """The trainer's training has ended: `aniso_end_training` (e.g. ``report_at_end``'s
-        report into ``output_dir``, written by the `main_process` only)."""
-        self.plugins.end_training(os.fspath(output_dir), main_process)
+        report into ``output_dir``, written by the `main_process` only). Every rank calls it: the
+        head and the embedding are gathered for it (`ModelHandle.full_weights`)."""
+        if self.handle is None:
+            self.plugins.end_training(os.fspath(output_dir), main_process)
+            return
+        with self.handle.full_weights():
+            self.plugins.end_training(os.fspath(output_dir), main_process)
 
     # --- state ------------------------------------------------------------------------------
     STATE_FILE = "aniso_state.safetensors"
