@@ -20,9 +20,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-ENGINES = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload")
-"""ddp; fsdp1 (``use_orig_params=True``), fsdp1_flat (``use_orig_params=False``), fsdp2;
-DeepSpeed ZeRO stages 1, 2, 3, and 3 with parameters and optimizer states offloaded to CPU."""
+ENGINES = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2", "fsdp2_sharded", "zero1", "zero2", "zero3", "zero3_offload")
+"""ddp; fsdp1 (``use_orig_params=True``), fsdp1_flat (``use_orig_params=False``), fsdp2, and
+fsdp2_sharded (fsdp2 checkpointing ``SHARDED_STATE_DICT``: accelerate's DCP folder
+``checkpoint-N/pytorch_model_fsdp_0``); DeepSpeed ZeRO stages 1, 2, 3, and 3 with parameters and
+optimizer states offloaded to CPU."""
 
 
 def install_cpu_shims() -> None:
@@ -77,23 +79,21 @@ def deepspeed_config(stage: int, offload: bool = False) -> dict[str, Any]:
     }
 
 
-def engine_arguments(engine: str, layer_cls: str | None = None, state_dict_type: str | None = None) -> dict[str, Any]:
+def engine_arguments(engine: str, layer_cls: str | None = None) -> dict[str, Any]:
     """``TrainingArguments`` keywords for `engine` (`ENGINES`) on gloo CPU processes; `layer_cls`:
-    the decoder layer class FSDP wraps on its own (None: the model's ``_no_split_modules``);
-    `state_dict_type`: FSDP's checkpoint form, e.g. ``"SHARDED_STATE_DICT"`` (None: the Trainer's
-    default, ``FULL_STATE_DICT``)."""
+    the decoder layer class FSDP wraps on its own (None: the model's ``_no_split_modules``)."""
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: expected one of {ENGINES}")
     if engine == "ddp":
         return {"use_cpu": True, "ddp_backend": "gloo"}
     if engine.startswith("fsdp"):
-        fsdp_config: dict[str, Any] = {"version": 2 if engine == "fsdp2" else 1}
-        if engine != "fsdp2":
+        fsdp_config: dict[str, Any] = {"version": 2 if engine.startswith("fsdp2") else 1}
+        if not engine.startswith("fsdp2"):
             fsdp_config |= {"use_orig_params": engine == "fsdp1", "sync_module_states": False}
         if layer_cls is not None:
             fsdp_config["transformer_layer_cls_to_wrap"] = [layer_cls]
-        if state_dict_type is not None:
-            fsdp_config["state_dict_type"] = state_dict_type
+        if engine == "fsdp2_sharded":  # the Trainer's default is FULL_STATE_DICT
+            fsdp_config["state_dict_type"] = "SHARDED_STATE_DICT"
         return {"use_cpu": True, "ddp_backend": "gloo", "fsdp": "full_shard", "fsdp_config": fsdp_config}
     stage = int(engine[4])
     return {"ddp_backend": "gloo", "deepspeed": deepspeed_config(stage, offload=engine.endswith("offload"))}

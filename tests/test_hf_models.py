@@ -27,7 +27,7 @@ import aniso_plugins
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 from hf_utils import VOCAB, GradCapture, TokenDataset, tiny_gpt2, tiny_llama
-from references import agg_output_grad
+from references import agg_output_grad, regularizer_grad
 from test_reliability import assert_unchanged, fingerprint
 
 QUIET = dict(report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0)
@@ -128,6 +128,23 @@ def test_encoder_decoder_agg_gates_the_decoder_labels_as_they_are(tmp_path, buil
     expected = grads["none"].double() - plain + gated
     assert (gated - plain).abs().max() > 1e-3  # the gates change the gradient in this batch
     torch.testing.assert_close(grads["agg"].double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_loss_term_keeps_its_share_where_the_trainer_scales_a_mean_loss(tmp_path):
+    """T5's forward computes its micro-batch's mean loss (as Marian's, Bart's), but accepts **kwargs, so
+    the Trainer takes the loss as divided by the step's target count: it skips the division by
+    the accumulation steps and trains on GA times the mean. CosReg's term is weighted alike
+    (GA · λ · ∇R); before, it got λ · ∇R, half its configured share at GA = 2."""
+    grads, accumulation, weight = {}, 2, 0.7
+    for method in ("none", "cosreg"):
+        capture = HeadGrad()
+        args = Seq2SeqTrainingArguments(output_dir=str(tmp_path / method), max_steps=1, per_device_train_batch_size=2,
+                                        gradient_accumulation_steps=accumulation, learning_rate=1e-2, **EXACT)  # fmt: skip
+        Seq2SeqTrainer(model=tiny_t5(), args=args, train_dataset=Pairs(),
+                       callbacks=[AnisoCallback(cfg(method=method, reg_weight=weight)), capture]).train()  # fmt: skip
+        grads[method] = capture.grads[0].double()
+    expected = grads["none"] + accumulation * weight * regularizer_grad("cosreg", tiny_t5().lm_head.weight)
+    torch.testing.assert_close(grads["cosreg"], expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("build", [tiny_t5, tiny_marian], ids=["t5", "marian"])

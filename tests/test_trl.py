@@ -5,15 +5,13 @@ its head: the head's input and the labels of the fused call."""
 from __future__ import annotations
 
 import math
-import random
 
 import peft
 import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
@@ -21,25 +19,11 @@ from aniso_plugins.integrations.hf_trl import fused_outputs_from_logits
 from hf_utils import tiny_llama
 from references import agg_output_grad, regularizer_grad
 from test_reliability import assert_unchanged, fingerprint
+from word_data import VOCAB, texts, tokenizer
 
 trl = pytest.importorskip("trl")
 
-WORDS = [f"w{i}" for i in range(40)]
-VOCAB = {"<pad>": 0, "<eos>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
 ALPHA = 2.5  # at step 1 a token is rare when it is a target fewer than 2.5 times in the step
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over `WORDS`, built here (nothing downloaded)."""
-    model = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
-    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", eos_token="<eos>")
-
-
-def texts(n: int = 32, seed: int = 0) -> list[str]:
-    """Sentences whose word frequencies fall off (words of small index are common)."""
-    rng = random.Random(seed)
-    return [" ".join(WORDS[min(int(rng.paretovariate(1.0)) - 1, 39)] for _ in range(rng.randint(4, 12))) for _ in range(n)]
 
 
 def dataset(mode: str) -> Dataset:

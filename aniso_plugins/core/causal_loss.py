@@ -56,6 +56,18 @@ def why_loss_is_not_reproduced(model: nn.Module, ignore_index: int) -> str | Non
     return None if problem is None else f"{name}.forward {problem}"
 
 
+def loss_divides_by_item_count(model: nn.Module) -> bool:
+    """Whether `model`'s forward (a transformers model, not PEFT-wrapped) computes its loss with
+    ``self.loss_function(...)``, which divides by the ``num_items_in_batch`` the Trainer passes
+    (the step's target count over all ranks), rather than a loss of its own (a micro-batch mean:
+    ``CrossEntropyLoss()`` in Marian, T5, Bart, BERT). False when its code cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(n, ast.Call) and _is_self_attribute(n.func, "loss_function") for n in ast.walk(tree))
+
+
 def _logits_flow(tree: ast.AST, head: str) -> str | None:
     """What in a forward's tree departs from ``logits = self.<head>(h)`` (any name for
     ``logits``) followed only by ``self.loss_function(logits, ...)`` and the returned output;

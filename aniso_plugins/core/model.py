@@ -464,7 +464,8 @@ def _rows(module: nn.Module | None) -> tuple[int, int] | None:
     if copies is not None:
         module = next(iter(copies.values()), module)
     weight = getattr(module, "weight", None)
-    return tuple(weight.shape) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    shape = tuple(full_shape(weight)) if isinstance(weight, torch.Tensor) else ()
+    return shape if len(shape) == 2 else None
 
 
 def output_projection(model: nn.Module) -> str:

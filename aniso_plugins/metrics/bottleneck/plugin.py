@@ -147,7 +147,9 @@ class BottleneckPlugin(Plugin):
         return (self._input, *args[1:])
 
     def _forward(self, module: nn.Module, args: tuple, output) -> None:
-        if self._input is None or not args or args[0] is not self._input:
+        # the input the pre-hook armed, or an engine's stand-in for it (ZeRO-3's pre-forward hook,
+        # registered after ours, passes each input through an autograd function of its own)
+        if self._input is None or not args or not isinstance(args[0], torch.Tensor) or args[0].shape != self._input.shape:
             return
         hidden, self._input = self._input, None
         self._armed = False
