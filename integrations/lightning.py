@@ -30,6 +30,16 @@ step when Lightning will write logs (or every ``config.metrics_every`` steps) an
 ``log_dict(sync_dist=False)`` because the core already reduced them; plugin state in the
 checkpoint through ``state_dict`` / ``load_state_dict``.
 
+Strategies, each equal to one process on the same global batch (tests/test_lightning.py,
+tests/test_lightning_strategies.py): DDP; ``ModelParallelStrategy`` (FSDP2; a tensor-parallel LM
+head is refused before the first step); ``FSDPStrategy`` (FSDP1, flat parameters too) and
+``DeepSpeedStrategy`` ZeRO-1/2/3 (offloaded too), whose partitioned head and embedding are read
+whole between steps (``engine_root=trainer.model``). Under DeepSpeed the loss terms are scaled as
+its ``backward`` scales the loss: by its fp16 loss scale, and by 1/``accumulate_grad_batches``
+once more than elsewhere (Lightning and DeepSpeed both divide the loss by it: every gradient is
+that much smaller than under DDP, Lightning's own behaviour). The head and the embedding must
+exist when ``setup`` runs (built in ``__init__``, not in ``configure_model``).
+
 The fused loss (``fused_loss``; docs/methods.md §16), in one of two routes:
 
 - the module's own loss: a LightningModule that declares ``aniso_loss_fn = None`` gets it set
@@ -58,6 +68,8 @@ from aniso_plugins.core.targets import TargetRule, target_rule
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('aniso_plugins.integrations.lightning needs lightning: pip install "aniso-plugins[lightning]"') from e
 
@@ -114,7 +126,16 @@ class AnisoCallback(pl.Callback):
             return
         if not pl_module.automatic_optimization:
             raise SetupError("AnisoCallback needs automatic optimization (manual optimization is not supported)")
-        handle = find_handle(pl_module, **self._paths)
+        try:
+            handle = find_handle(pl_module, **self._paths)
+        except SetupError as e:
+            if not is_overridden("configure_model", pl_module, pl.LightningModule):
+                raise
+            raise SetupError(
+                f"{e} (AnisoCallback sets up before configure_model: build the LM head and the input embedding in "
+                "the LightningModule's __init__; configure_model may then shard them, and DeepSpeed ZeRO-3 "
+                "partitions them when it starts)"
+            ) from e
         rule = target_rule(self._targets, handle.model if isinstance(handle, OutputEmbeddingsHandle) else None)
         self._module_loss = hasattr(type(pl_module), "aniso_loss_fn")
         why_not = None if self._module_loss else self._why_model_loss_is_not_owned(handle)
@@ -178,11 +199,18 @@ class AnisoCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refuse_tensor_parallel_head()
         acc = trainer.accumulate_grad_batches
+        loss_scale, grad_scaler = 1.0, getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed AMP
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            # Lightning divides each micro-batch's loss by accumulate_grad_batches and DeepSpeed's
+            # engine.backward once more by its gradient_accumulation_steps, then scales it (fp16)
+            loss_scale, grad_scaler = 1.0 / trainer.model.gradient_accumulation_steps(), _DeepSpeedLossScale(trainer.model)
         self.session.begin_training(
             epoch_steps=self.session.epoch_length(trainer.num_training_batches, acc),
             start_step=trainer.global_step,
             accumulation_steps=acc,
-            grad_scaler=getattr(trainer.precision_plugin, "scaler", None),  # 16-mixed AMP
+            loss_scale=loss_scale,
+            grad_scaler=grad_scaler,
+            engine_root=trainer.model,  # FSDPStrategy's root FullyShardedDataParallel (FSDP1), DeepSpeed's engine, ...
         )
 
     def _refuse_tensor_parallel_head(self) -> None:
@@ -261,6 +289,28 @@ class AnisoCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.session.load_state_dict(state_dict)
+
+
+class _DeepSpeedLossScale:
+    """What a DeepSpeed engine's ``backward`` multiplies the loss by after dividing it by the
+    accumulation steps, read as the session reads an fp16 `torch.amp.GradScaler` (at each step:
+    fp16's loss scale is dynamic): its ZeRO optimizer's ``scale_if_loss`` (DeepSpeed's fp16 loss
+    scale; 1 in bf16 and fp32), or without ZeRO the engine's torch-autocast scaler, as
+    ``engine.backward`` does in DeepSpeed 0.19."""
+
+    def __init__(self, engine: torch.nn.Module) -> None:
+        self._engine = engine
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        probe = torch.ones((), requires_grad=True).clone()  # a loss to DeepSpeed: one element with a grad_fn
+        optimizer = self._engine.optimizer
+        if hasattr(optimizer, "scale_if_loss"):  # a ZeRO optimizer
+            return float(optimizer.scale_if_loss(probe))
+        scaler = getattr(self._engine, "torch_autocast_z0_gradscaler", None)
+        return float(scaler.scale(probe)) if scaler is not None else 1.0
 
 
 __all__ = ["AnisoCallback"]

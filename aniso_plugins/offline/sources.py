@@ -3,8 +3,8 @@ blocks, and one MODEL argument resolved into them (`load_model`): a local Huggin
 directory (loaded offline; its embedding and untied head streamed from safetensors when the
 model itself is not needed), a safetensors file or a directory of them (embedding-like 2-D
 tensors, or ``tensor=NAME``, read with ``safe_open(...).get_slice(name)[a:b]``), a Lightning
-``.ckpt`` or a torchtitan DCP checkpoint folder (`aniso_plugins.offline.checkpoints`), or an
-in-memory ``nn.Module`` / 2-D tensor."""
+``.ckpt``, a DCP checkpoint folder (torchtitan's, or an HF Trainer's under FSDP) or a DeepSpeed
+ZeRO checkpoint (`aniso_plugins.offline.checkpoints`), or an in-memory ``nn.Module`` / 2-D tensor."""
 
 from __future__ import annotations
 
@@ -22,7 +22,13 @@ from torch import nn
 
 from aniso_plugins.core.model import SetupError, output_projection
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
-from aniso_plugins.offline.checkpoints import dcp_folder, dcp_tensors, lightning_tensors
+from aniso_plugins.offline.checkpoints import (
+    dcp_folder,
+    dcp_tensors,
+    deepspeed_folder,
+    lightning_tensors,
+    zero_tensors,
+)
 from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.errors import one_line as _one_line
 
@@ -329,14 +335,31 @@ def _hf_model(path: Path, label: str, need_model: bool) -> LoadedModel:
     return LoadedModel(label, str(path), kind, matrices, tied, model, tokenizer)
 
 
-def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str | None) -> LoadedModel | None:
-    """A Lightning ``.ckpt`` or a DCP (torchtitan) checkpoint folder; None for anything else."""
+def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str | None,
+                        need_model: bool) -> LoadedModel | None:
+    """A Lightning ``.ckpt``, a DCP checkpoint folder (torchtitan's; an HF Trainer's FSDP
+    ``SHARDED_STATE_DICT`` one) or a DeepSpeed ZeRO checkpoint; None for anything else.
+
+    A DeepSpeed ``checkpoint-N`` that also holds an HF ``model.safetensors`` is read from its ZeRO
+    shards: they are the fp32 master weights the optimizer trained, whereas the Trainer's
+    ``model.safetensors`` is absent (or empty placeholders) under ZeRO-3 without
+    ``stage3_gather_16bit_weights_on_model_save``, and otherwise the engine's module weights,
+    16-bit under bf16/fp16 training. Name that file (``checkpoint-N/model.safetensors``) to
+    report it instead."""
     if path.is_file() and path.suffix == ".ckpt":
         tensors, tied = lightning_tensors(path, embedding, head)
         kind = "lightning"
-    elif path.is_dir() and (folder := dcp_folder(path)) is not None:
-        tensors, tied = dcp_tensors(folder, embedding, head)
-        kind, path = "dcp", folder
+    elif path.is_dir() and (zero := deepspeed_folder(path)) is not None:
+        if need_model:
+            raise ReportError(f"--text-file needs a Hugging Face model folder; {path} is a DeepSpeed ZeRO checkpoint "
+                              "(its matrices are reported without a text); write one with `python -m "
+                              f"deepspeed.utils.zero_to_fp32 {zero[0]} OUT -t {zero[1]} --safe_serialization`, then "
+                              "copy config.json and the tokenizer files into OUT")
+        tensors, tied = zero_tensors(*zero, embedding, head)
+        kind, path = "deepspeed", zero[0] / zero[1]
+    elif path.is_dir() and (dcp := dcp_folder(path)) is not None:
+        tensors, tied = dcp_tensors(dcp[0], embedding, head, prefix=dcp[1])
+        kind, path = "dcp", dcp[0]
     else:
         return None
     matrices = {role: MatrixSource.of_tensor(role, t) for role, t in tensors.items()}
@@ -353,7 +376,7 @@ def load_model(spec: str | os.PathLike | nn.Module | torch.Tensor, *, tensor: Se
     label = _label(path, name)
     if not path.exists():
         raise ReportError(f"no such file or directory: {path}")
-    loaded = _trainer_checkpoint(path, label, embedding, head)
+    loaded = _trainer_checkpoint(path, label, embedding, head, need_model)
     if loaded is not None:
         return loaded
     loaded = _safetensors_model(path, label, tensor)
