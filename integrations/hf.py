@@ -62,6 +62,7 @@ from aniso_plugins.core.causal_loss import (
     loss_divides_by_item_count,
     why_loss_is_not_reproduced,
 )
+from aniso_plugins.core.loss_scale import DeepSpeedLossScale
 from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
 from aniso_plugins.integrations import hf_trl
@@ -387,7 +388,7 @@ class AnisoCallback(TrainerCallback):
             epoch_steps=self.session.epoch_length(train_dataloader, args.gradient_accumulation_steps),
             start_step=state.global_step,
             accumulation_steps=args.gradient_accumulation_steps,
-            grad_scaler=getattr(self.trainer.accelerator, "scaler", None),  # fp16 AMP
+            grad_scaler=self._loss_scaler(),
             label_smoothing=args.label_smoothing_factor if self.trainer.label_smoother is not None else 0.0,
             loss_scale=_model_loss_scale(self.trainer, self.session.handle),
             engine_root=self.trainer.model_wrapped,
@@ -404,6 +405,13 @@ class AnisoCallback(TrainerCallback):
                     directory,
                 )
         self._measure_next = self._will_log(args, state, state.global_step + 1)
+
+    def _loss_scaler(self):
+        """What the backward multiplies the loss by: accelerate's fp16 AMP scaler, or under
+        DeepSpeed (whose fp16 loss scale accelerate does not hold) the engine's own."""
+        if self.trainer.is_deepspeed_enabled:
+            return DeepSpeedLossScale(self.trainer.model_wrapped)
+        return getattr(self.trainer.accelerator, "scaler", None)
 
     def _will_log(self, args, state, step: int) -> bool:
         """Whether the Trainer will log at the end of `step` (DefaultFlowCallback's rule)."""

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 
 from aniso_plugins import AnisoConfig, ModelHandle, OutputEmbeddingsHandle, SetupError, TrainingSession, find_handle
 from aniso_plugins.core.causal_loss import install_fused_causal_loss, why_loss_is_not_reproduced
+from aniso_plugins.core.loss_scale import DeepSpeedLossScale
 from aniso_plugins.core.targets import TargetRule, target_rule
 
 try:
@@ -203,7 +204,7 @@ class AnisoCallback(pl.Callback):
         if isinstance(trainer.strategy, DeepSpeedStrategy):
             # Lightning divides each micro-batch's loss by accumulate_grad_batches and DeepSpeed's
             # engine.backward once more by its gradient_accumulation_steps, then scales it (fp16)
-            loss_scale, grad_scaler = 1.0 / trainer.model.gradient_accumulation_steps(), _DeepSpeedLossScale(trainer.model)
+            loss_scale, grad_scaler = 1.0 / trainer.model.gradient_accumulation_steps(), DeepSpeedLossScale(trainer.model)
         self.session.begin_training(
             epoch_steps=self.session.epoch_length(trainer.num_training_batches, acc),
             start_step=trainer.global_step,
@@ -289,28 +290,6 @@ class AnisoCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.session.load_state_dict(state_dict)
-
-
-class _DeepSpeedLossScale:
-    """What a DeepSpeed engine's ``backward`` multiplies the loss by after dividing it by the
-    accumulation steps, read as the session reads an fp16 `torch.amp.GradScaler` (at each step:
-    fp16's loss scale is dynamic): its ZeRO optimizer's ``scale_if_loss`` (DeepSpeed's fp16 loss
-    scale; 1 in bf16 and fp32), or without ZeRO the engine's torch-autocast scaler, as
-    ``engine.backward`` does in DeepSpeed 0.19."""
-
-    def __init__(self, engine: torch.nn.Module) -> None:
-        self._engine = engine
-
-    def is_enabled(self) -> bool:
-        return True
-
-    def get_scale(self) -> float:
-        probe = torch.ones((), requires_grad=True).clone()  # a loss to DeepSpeed: one element with a grad_fn
-        optimizer = self._engine.optimizer
-        if hasattr(optimizer, "scale_if_loss"):  # a ZeRO optimizer
-            return float(optimizer.scale_if_loss(probe))
-        scaler = getattr(self._engine, "torch_autocast_z0_gradscaler", None)
-        return float(scaler.scale(probe)) if scaler is not None else 1.0
 
 
 __all__ = ["AnisoCallback"]

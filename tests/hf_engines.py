@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-ENGINES = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2", "fsdp2_sharded", "zero1", "zero2", "zero3", "zero3_offload")
+ENGINES = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2", "fsdp2_sharded", "zero1", "zero2", "zero2_fp16", "zero3", "zero3_offload")
 """ddp; fsdp1 (``use_orig_params=True``), fsdp1_flat (``use_orig_params=False``), fsdp2, and
 fsdp2_sharded (fsdp2 checkpointing ``SHARDED_STATE_DICT``: accelerate's DCP folder
 ``checkpoint-N/pytorch_model_fsdp_0``); DeepSpeed ZeRO stages 1, 2, 3, and 3 with parameters and
-optimizer states offloaded to CPU."""
+optimizer states offloaded to CPU; zero2_fp16: ZeRO-2 in fp16 with DeepSpeed's static loss scale 128."""
 
 
 def install_cpu_shims() -> None:
@@ -95,8 +95,11 @@ def engine_arguments(engine: str, layer_cls: str | None = None) -> dict[str, Any
         if engine == "fsdp2_sharded":  # the Trainer's default is FULL_STATE_DICT
             fsdp_config["state_dict_type"] = "SHARDED_STATE_DICT"
         return {"use_cpu": True, "ddp_backend": "gloo", "fsdp": "full_shard", "fsdp_config": fsdp_config}
-    stage = int(engine[4])
-    return {"ddp_backend": "gloo", "deepspeed": deepspeed_config(stage, offload=engine.endswith("offload"))}
+    config = deepspeed_config(int(engine[4]), offload=engine.endswith("offload"))
+    if engine.endswith("fp16"):
+        config["fp16"] = {"enabled": True, "loss_scale": 128}
+        return {"ddp_backend": "gloo", "deepspeed": config, "fp16": True}
+    return {"ddp_backend": "gloo", "deepspeed": config}
 
 
 __all__ = ["ENGINES", "deepspeed_config", "engine_arguments", "install_cpu_shims"]

@@ -4,6 +4,7 @@ memory-limited worker that really runs out, and `benchmarks/gpu.sh --device cpu`
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -140,6 +141,28 @@ def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
     assert rows == ["plain", "mle_fused", "agg_fused", "agg_gated"]
     (result,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
     assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
+
+
+@pytest.mark.slow
+def test_hf_step_benchmark_runs_every_engine_on_two_ranks_in_smoke_mode(tmp_path):
+    """benchmarks/hf_step.py --engine ddp,fsdp2,zero2,zero3 --smoke: plain against AGG + metrics on
+    2 gloo processes per engine, a table row per engine and rank with finite numbers, and the JSON."""
+    engines = ["ddp", "fsdp2", "zero2", "zero3"]
+    cmd = [sys.executable, os.path.join(BENCH, "hf_step.py"), "--smoke", "--engine", ",".join(engines),
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in done.stdout.splitlines()
+            if line.startswith("| ") and "engine" not in line]  # fmt: skip
+    assert [(r[0], r[1]) for r in rows] == [(e, rank) for e in engines for rank in ("0", "1")]
+    for row in rows:
+        numbers = [float(c) for c in row[2:]]
+        assert len(numbers) == 6 and all(math.isfinite(x) and x >= 0 for x in numbers), row
+        assert numbers[0] > 0 and numbers[1] > 0 and numbers[2] > 0, row  # step times and their ratio
+    with open(tmp_path / "hf_step_engines.json") as f:
+        result = json.load(f)
+    assert sorted(result["engines"]) == sorted(engines) and not result["failed"]
+    assert all(len(result["engines"][e]) == 2 for e in engines)
 
 
 @pytest.mark.slow
