@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import (
+    BartConfig,
+    BartForCausalLM,
     DataCollatorWithFlattening,
     MarianConfig,
     MarianMTModel,
@@ -21,6 +23,8 @@ from transformers import (
     Trainer,
     TrainerCallback,
     TrainingArguments,
+    XLNetConfig,
+    XLNetLMHeadModel,
 )
 
 import aniso_plugins
@@ -430,3 +434,66 @@ def test_post_head_logit_transforms_evaluated_and_probed_as_the_model_computes_i
     assert record["aniso/bottleneck/update_efficiency/tokens"] == 0  # no probe rows
     assert math.isnan(record["aniso/bottleneck/update_efficiency/cos"])
     assert "changes the head's logits before its loss" in caplog.text
+
+
+# --- causal-LM classes whose loss does not shift ------------------------------------------------
+UNSHIFTED_CAUSAL_LMS = (
+    "BartForCausalLM", "BigBirdPegasusForCausalLM", "BlenderbotForCausalLM", "BlenderbotSmallForCausalLM",
+    "MarianForCausalLM", "MBartForCausalLM", "MvpForCausalLM", "PegasusForCausalLM", "PLBartForCausalLM",
+    "TrOCRForCausalLM", "WhisperForCausalLM", "CpmAntForCausalLM", "XLNetLMHeadModel",
+)
+"""transformers 5.24's causal-LM classes whose forward computes CrossEntropyLoss(logits.view(-1, V),
+labels.view(-1)) without a shift (read from their source; BartForCausalLM's docs: "The labels
+are **not shifted** inside the model")."""
+
+
+@pytest.mark.parametrize("name", UNSHIFTED_CAUSAL_LMS)
+def test_causal_lm_classes_whose_loss_does_not_shift_get_aligned_targets(name):
+    """transformers lists them as causal LMs; the targets follow their loss instead. Before, each
+    was taken as shifted: AGG's gates and SimCTG's positions read labels[t+1]."""
+    import transformers
+
+    from aniso_plugins.core.targets import ALIGNED, alignment_of
+
+    cls = getattr(transformers, name)
+    model = cls.__new__(cls)  # the rule reads the class's forward; no weights needed
+    listed = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    assert name in {n for v in listed for n in ((v,) if isinstance(v, str) else v)}
+    assert alignment_of(model) == ALIGNED
+
+
+def tiny_bart_causal(seed=0):
+    torch.manual_seed(seed)
+    return BartForCausalLM(BartConfig(vocab_size=VOCAB, d_model=16, decoder_layers=1, decoder_attention_heads=2,
+                                      decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, pad_token_id=0,
+                                      eos_token_id=1, bos_token_id=0, is_decoder=True, is_encoder_decoder=False))  # fmt: skip
+
+
+def tiny_xlnet(seed=0):
+    torch.manual_seed(seed)
+    return XLNetLMHeadModel(XLNetConfig(vocab_size=VOCAB, d_model=16, n_layer=1, n_head=2, d_inner=32, dropout=0.0,
+                                        pad_token_id=0, bos_token_id=0, eos_token_id=1))  # fmt: skip
+
+
+@pytest.mark.parametrize("build", [tiny_bart_causal, tiny_xlnet], ids=["bart_causal", "xlnet"])
+def test_agg_gates_an_unshifted_causal_lm_on_its_own_labels(tmp_path, build):
+    """The head gradient under AGG equals the gated float64 reference on the labels as they are
+    (it was 0.11 / 0.07 off before: the labels were shifted once more)."""
+    grads = {}
+    for method in ("none", "agg"):
+        model = build()
+        capture, hidden = HeadGrad(), []
+        model.get_output_embeddings().register_forward_pre_hook(lambda m, a: hidden.append(a[0].detach().clone()) if m.training else None)
+        args = TrainingArguments(output_dir=str(tmp_path / method), max_steps=1, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, **EXACT)  # fmt: skip
+        Trainer(model=model, args=args, train_dataset=TokenDataset(n=4),
+                callbacks=[AnisoCallback(cfg(method=method, window=2, alpha=2.0)), capture]).train()  # fmt: skip
+        grads[method] = capture.grads[0].double()
+    targets = TokenDataset(n=4).ids.reshape(-1)  # the labels as they are: the model does not shift them
+    counts = torch.bincount(targets, minlength=VOCAB).double()
+    h = hidden[0].reshape(-1, hidden[0].shape[-1])
+    w = build().get_output_embeddings().weight
+    plain = agg_output_grad(h, w, targets, counts, 2.0, gated=False)
+    gated = agg_output_grad(h, w, targets, counts, 2.0, gated=True)
+    assert (gated - plain).abs().max() > 1e-3  # the gates change the gradient in this batch
+    torch.testing.assert_close(grads["agg"], grads["none"] - plain + gated, rtol=1e-4, atol=1e-6)

@@ -68,6 +68,72 @@ def loss_divides_by_item_count(model: nn.Module) -> bool:
     return any(isinstance(n, ast.Call) and _is_self_attribute(n.func, "loss_function") for n in ast.walk(tree))
 
 
+_LOSS_CALLS = ("CrossEntropyLoss", "cross_entropy", "loss_fct")
+"""Names whose call in a forward computes a token cross-entropy of its own."""
+_SHIFTING_LOSSES = ("ForCausalLMLoss",)
+_ALIGNED_LOSSES = ("ForMaskedLMLoss",)
+
+
+def label_alignment_in_forward(model: nn.Module) -> str | None:
+    """How `model`'s forward (a transformers model, not PEFT-wrapped) aligns its labels with its
+    logits in its own loss, read from its code: "causal" when it shifts them (``self.loss_function``
+    is ForCausalLMLoss, or a ``labels[..., 1:]`` / ``logits[..., :-1, :]`` slice feeds its own
+    cross-entropy), "aligned" when its cross-entropy takes them as they are (ForMaskedLMLoss, or
+    ``CrossEntropyLoss()(logits.view(-1, V), labels.view(-1))`` with no such slice: Bart's,
+    Marian's, XLNet's causal-LM classes); None when the code does not say (unreadable, no loss
+    of its own, another loss function)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    if any(_is_self_attribute(n.func, "loss_function") for n in calls):
+        name = getattr(getattr(model, "loss_function", None), "__name__", None)
+        return "causal" if name in _SHIFTING_LOSSES else "aligned" if name in _ALIGNED_LOSSES else None
+    if not any(_called_name(n) in _LOSS_CALLS for n in calls):
+        return None
+    return "causal" if any(_is_shift(n) for n in ast.walk(tree) if isinstance(n, ast.Subscript)) else "aligned"
+
+
+def labels_passed_to(model: nn.Module) -> str | None:
+    """The call (``self.pred_layer``) to which `model`'s forward hands its ``labels``, where it
+    computes no loss of its own (XLM's head computes it), or None."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+        arguments = [*call.args, *(k.value for k in call.keywords)]
+        takes_labels = any(isinstance(a, ast.Name) and a.id == "labels" for a in arguments)
+        if takes_labels and isinstance(call.func, ast.Attribute) and _is_self_attribute(call.func, call.func.attr):
+            return f"self.{call.func.attr}"
+    return None
+
+
+def _called_name(call: ast.Call) -> str | None:
+    """``f`` of ``f(...)``, ``x.f(...)`` and ``f(...)(...)``."""
+    func = call.func.func if isinstance(call.func, ast.Call) else call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+
+
+def _is_shift(node: ast.Subscript) -> bool:
+    """``labels[..., 1:]`` (or ``[:, 1:]``) or ``logits[..., :-1, :]`` (or ``[:, :-1]``): a slice
+    that drops the first label or the last logit position."""
+    owner = ast.unparse(node.value).lower()
+    parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+    slices = [p for p in parts if isinstance(p, ast.Slice) and p.step is None]
+
+    def constant(value: ast.AST | None) -> object:
+        return ast.literal_eval(value) if value is not None else None
+
+    try:
+        drops_first = "label" in owner and any(constant(p.lower) == 1 and p.upper is None for p in slices)
+        drops_last = "logit" in owner and any(p.lower is None and constant(p.upper) == -1 for p in slices)
+    except ValueError:  # a slice bound that is not a literal
+        return False
+    return drops_first or drops_last
+
+
 def _logits_flow(tree: ast.AST, head: str) -> str | None:
     """What in a forward's tree departs from ``logits = self.<head>(h)`` (any name for
     ``logits``) followed only by ``self.loss_function(logits, ...)`` and the returned output;

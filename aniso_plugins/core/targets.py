@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from aniso_plugins.core.causal_loss import label_alignment_in_forward, labels_passed_to
 from aniso_plugins.core.errors import SetupError
 
 ALIGNMENTS: tuple[str, ...] = ("causal", "aligned", "seq2seq")
@@ -191,14 +192,27 @@ def _auto_class_names() -> tuple[set[str], set[str]]:
 
 def alignment_of(model: nn.Module) -> LabelAlignment:
     """The `LabelAlignment` of a transformers model, from what its own loss does: an
-    encoder-decoder (``config.is_encoder_decoder``) -> "seq2seq"; a class transformers lists
-    as a causal LM, or whose ``loss_type`` is a shifting one -> "causal"; a masked LM (listed,
-    or ``loss_type == "ForMaskedLM"``) -> "aligned". Raises `SetupError` naming the ``targets=``
-    way out when it cannot tell (no such evidence, or contradicting evidence)."""
+    encoder-decoder (``config.is_encoder_decoder``) -> "seq2seq"; else as its forward's code
+    aligns the labels in its loss (`label_alignment_in_forward`: shifted -> "causal", as they
+    are -> "aligned"; transformers lists Bart's, Marian's, XLNet's... unshifting classes as
+    causal LMs); where the code does not say, a class transformers lists as a causal LM, or
+    whose ``loss_type`` is a shifting one -> "causal", a masked LM (listed, or ``loss_type ==
+    "ForMaskedLM"``) -> "aligned". Raises `SetupError` naming the ``targets=`` way out when it
+    cannot tell (no such evidence, contradicting evidence, or a loss computed by a submodule
+    that is handed the labels)."""
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
         return SEQ2SEQ
     name = type(model).__name__
+    in_code = label_alignment_in_forward(model)
+    if in_code is not None:
+        return LabelAlignment(in_code)
+    computed_by = labels_passed_to(model)
+    if computed_by is not None:
+        raise SetupError(
+            f"cannot tell how {name}'s loss aligns its logits with its labels: its forward hands the labels to "
+            f"{computed_by}, whose loss it does not show; {TARGETS_HINT}"
+        )
     causal_names, masked_names = _auto_class_names()
     votes = set()
     if name in causal_names:
