@@ -473,6 +473,19 @@ def test_ctrl_c_at_any_moment_is_one_line_and_no_traceback(zoo, tmp_path, delay)
     assert not (tmp_path / "o").exists() or p.returncode == 0
 
 
+def test_ctrl_c_while_the_arguments_are_parsed_is_one_line(monkeypatch, capsys):
+    """A SIGINT that lands while argparse builds the parser (seen under load at 0.3 s: before, the
+    handler was installed only after parsing, so Python printed a KeyboardInterrupt traceback)."""
+    from aniso_plugins.offline import cli
+
+    def parser_interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_parser", parser_interrupted)
+    assert cli.main(["report", "model", "--out", "o"]) == cli.EXIT_INTERRUPTED
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "aniso report: interrupted"
+
+
 @pytest.mark.parametrize("command", ["report", "postprocess"])
 def test_ctrl_c_that_a_library_turns_into_an_import_error_is_still_an_interruption(monkeypatch, capsys, command):
     """SIGINT inside a third-party import whose except clause fails on the retry (numpy's "cannot

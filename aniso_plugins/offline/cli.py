@@ -128,25 +128,28 @@ class _CtrlC:
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the subcommand; every failure and a Ctrl-C at any point, torch's import
     included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted)."""
-    args = _parser().parse_args(argv)
     ctrl_c = _CtrlC()
     with ctrl_c.installed():
+        words = sys.argv[1:] if argv is None else argv
+        command = next((w for w in words if not w.startswith("-")), "")  # for the message before parsing ends
         try:
+            args = _parser().parse_args(argv)  # a Ctrl-C here too is the one line
+            command = args.command
             with ctrl_c.held():
                 from aniso_plugins.offline.commands import COMMANDS  # torch loads here
 
             return COMMANDS[args.command](args)
         except (KeyboardInterrupt, Exception) as e:
             if isinstance(e, KeyboardInterrupt) or ctrl_c.seen:
-                print(f"aniso {args.command}: interrupted", file=sys.stderr)
+                print(f"aniso{' ' + command if command else ''}: interrupted", file=sys.stderr)
                 return EXIT_INTERRUPTED
             if isinstance(e, ReportError):
-                print(f"aniso {args.command}: error: {e}", file=sys.stderr)
+                print(f"aniso {command}: error: {e}", file=sys.stderr)
                 return EXIT_USAGE
             if os.environ.get("ANISO_DEBUG"):  # anything unexpected: one line, no traceback unless asked
                 raise
             text = str(e).strip().splitlines()
-            print(f"aniso {args.command}: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
+            print(f"aniso {command}: error: {type(e).__name__}: {text[0] if text else ''}", file=sys.stderr)
             return EXIT_ERROR
 
 
