@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import TrainerCallback
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, SetupError, StepInfo
 from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
@@ -280,3 +281,34 @@ def test_agg_gates_the_replaced_head(head):
     looked_up = torch.zeros(V, dtype=torch.bool)
     looked_up[ids.reshape(-1)] = True
     assert emb.grad[~looked_up].abs().max() == 0  # the embedding only gets its lookup gradient
+
+
+def test_lowrank_head_on_bert_keeps_training_its_tied_bias(tmp_path):
+    """BertForMaskedLM ties ``cls.predictions.bias`` to its decoder's bias. The low-rank head takes
+    that very Parameter as its bias: after a real Trainer step it has a gradient and moved, and
+    the model holds one bias, not a trained copy beside a stale original (which a later re-tie
+    would put back). Before, the head carried a copy and ``cls.predictions.bias.grad`` was None."""
+    from transformers import Trainer, TrainingArguments
+
+    from aniso_plugins.integrations.hf import AnisoCallback
+    from token_data import TokenDataset
+    from zoo import bert
+
+    model = bert()
+    tied_bias = model.cls.predictions.bias
+    before = tied_bias.detach().clone()
+    grads = {}
+
+    class Grad(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads["bias"] = model.cls.predictions.bias.grad
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, learning_rate=1e-2,
+                             report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no")  # fmt: skip
+    config = AnisoConfig(head="lowrank", lowrank_rank=4, metrics=(), load_entry_points=False)
+    Trainer(model=model, args=args, train_dataset=TokenDataset(n=4), callbacks=[AnisoCallback(config), Grad()]).train()
+    head = model.get_output_embeddings()
+    assert isinstance(head, LowRankHead) and head.bias is model.cls.predictions.bias is tied_bias
+    assert grads["bias"] is not None and grads["bias"].abs().sum() > 0
+    assert not torch.equal(tied_bias.detach(), before)
+    assert sum(p is tied_bias for p in model.parameters()) == 1

@@ -83,7 +83,8 @@ class LowRankHead(nn.Module):
         cls, head: nn.Module, rank: int, init: str = "svd", generator: torch.Generator | None = None
     ) -> LowRankHead:
         """A low-rank head replacing `head` (an ``nn.Linear``-like module with a 2-D ``weight``
-        W of shape (V, d) and optionally ``bias``), same dtype, device and bias value.
+        W of shape (V, d) and optionally ``bias``), same dtype and device; its bias Parameter is
+        the head's own (not a copy), so a bias the model ties elsewhere stays tied and trained.
 
         init "svd": the truncated SVD W ≈ U_r S_r V_rᵀ (best rank-r approximation, Eckart–Young),
         split evenly: A = U_r S_r^{1/2}, B = S_r^{1/2} V_rᵀ (float64 SVD). init "random":
@@ -98,8 +99,10 @@ class LowRankHead(nn.Module):
         vocab, hidden = weight.shape
         bias = getattr(head, "bias", None)
         out = cls(hidden, vocab, _check_rank(rank, hidden), bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        if isinstance(bias, nn.Parameter):
+            out.bias = bias  # the same Parameter: trained on, and still tied where the model ties it (BERT's)
         with torch.no_grad():
-            if bias is not None:
+            if bias is not None and out.bias is not bias:
                 out.bias.copy_(bias)
             if init == "random":
                 out.reset_parameters(std=float(weight.detach().double().std()), generator=generator)
