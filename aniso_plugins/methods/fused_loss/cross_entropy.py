@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes
+from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
 from aniso_plugins.numerics.distributed import VocabShard
 from aniso_plugins.numerics.linalg import ROW_BLOCK
@@ -377,7 +377,7 @@ def fused_linear_cross_entropy(
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
     gates = None if row_gates is None else row_gates.to(weight.device)
-    targets = targets.to(hidden.device)
+    targets = index_targets(targets, hidden.device)
     return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
         torch.is_grad_enabled(), shard, backward_twice,

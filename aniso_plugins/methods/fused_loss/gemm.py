@@ -61,16 +61,24 @@ def check_inputs(
         )
 
 
+def index_targets(targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`targets` on `device` as gather/index ids: int32 and int64 as they are, any other integer
+    dtype (uint8, int16, ...) as int64, as ``F.cross_entropy`` takes them (uint8 would index as a
+    mask)."""
+    return targets.to(device, None if targets.dtype in (torch.int32, torch.int64) else torch.int64)
+
+
 def compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(GEMM dtype, accumulation dtype, logits dtype) for the head.
 
     Under autocast the GEMMs run in the autocast dtype and the logits come out in float32
     (so the logit gradient arrives in float32); the weight gradient always accumulates in at
-    least float32. Without autocast everything is the weight's dtype, as ``F.linear``."""
+    least float32. Without autocast, and for float64 (which autocast does not cast), everything
+    is the weight's dtype, as ``F.linear``."""
     acc = torch.promote_types(weight.dtype, torch.float32)
     device = hidden.device.type
-    if torch.is_autocast_enabled(device) and weight.dtype.is_floating_point:
-        return torch.get_autocast_dtype(device), acc, acc
+    if torch.is_autocast_enabled(device) and weight.dtype.is_floating_point and weight.dtype != torch.float64:
+        return torch.get_autocast_dtype(device), acc, acc  # autocast leaves float64 alone
     return weight.dtype, acc, weight.dtype
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes
+from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
 from aniso_plugins.numerics.distributed import VocabShard
 
@@ -151,7 +151,7 @@ def gated_linear(
     check_inputs(hidden, weight, targets, row_gates, ignore_index, "gated_linear", shard)
     dtypes = compute_dtypes(hidden, weight)
     gates = row_gates.to(weight.device)
-    targets = targets.to(hidden.device)
+    targets = index_targets(targets, hidden.device)
     return _GatedLinear.apply(
         hidden, weight, bias, targets, gates.g1, gates.g2, gates.rare, gates.g_target, ignore_index, dtypes, shard
     )
