@@ -235,14 +235,14 @@ def test_layouts_the_trainer_cannot_serve_are_refused_at_construction(parallelis
     from hf_utils import tiny_llama
     from torch.distributed.fsdp import ShardingStrategy
 
-    from aniso_plugins.integrations.hf import _layout_refusal
+    from aniso_plugins.integrations.hf_layout import refusal as refusal_of
 
     plugin = SimpleNamespace(reshard_after_forward=getattr(ShardingStrategy, fsdp_strategy)) if fsdp_strategy else None
     trainer = SimpleNamespace(
         args=SimpleNamespace(parallelism_config=SimpleNamespace(**parallelism)), model=tiny_llama(),
         is_fsdp_enabled=plugin is not None, accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)),
     )
-    refusal = _layout_refusal(trainer)
+    refusal = refusal_of(trainer)
     assert refusal is not None and message in refusal
     plain = SimpleNamespace(args=SimpleNamespace(parallelism_config=None), model=tiny_llama(), is_fsdp_enabled=False)
-    assert _layout_refusal(plain) is None
+    assert refusal_of(plain) is None

@@ -192,9 +192,12 @@ class TrainingSession:
 
         epoch_steps: optimizer steps per epoch (`epoch_length` computes it), None if unknown;
         start_step: optimizer steps already done; accumulation_steps: micro-batches per step;
-        loss_scale: gradient weight of the loss terms for the trainer's data-parallel
-            reduction (1 when gradients are averaged over ranks, as DDP and FSDP2 do; 1/world
-            when they are summed, as torchtitan does);
+        loss_scale: gradient weight of the loss terms, the factor by which the trainer weighs
+            the model's loss beyond its mean over the step: for its data-parallel reduction (1
+            when gradients are averaged over ranks, as DDP and FSDP2 do; 1/world when they are
+            summed, as torchtitan does), and for what it does to the loss on the way (the HF
+            Trainer's accumulation steps × processes on a model's own mean loss; Lightning's
+            extra 1/accumulation under DeepSpeed);
         grad_scaler: the trainer's fp16 gradient scaler, if any: backward runs on the scaled
             loss, so the loss terms are scaled by its current scale too;
         label_smoothing: the trainer's label smoothing of the token loss (`RunInfo`);

@@ -1,0 +1,82 @@
+"""The HF Trainer's parallel layout as the adapter reads it at ``Trainer(...)`` and at the start
+of training: which engines it serves (DDP, accelerate's FSDP2 and FSDP1, DeepSpeed ZeRO-1/2/3,
+each exact against one process: tests/test_hf_engines.py) and refuses, and how the Trainer and
+its engine weigh the loss, which the loss terms must follow (docs/trainers.md, "Parallelism")."""
+
+from __future__ import annotations
+
+from aniso_plugins import OutputEmbeddingsHandle
+from aniso_plugins.core.causal_loss import loss_divides_by_item_count
+from aniso_plugins.core.loss_scale import DeepSpeedLossScale
+from aniso_plugins.core.model import peft_base_model
+from aniso_plugins.core.session import GradScaler
+
+try:
+    from transformers import Trainer
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError('aniso_plugins.integrations.hf_layout needs transformers: pip install "aniso-plugins[hf]"') from e
+
+
+def loss_scaler(trainer: Trainer) -> GradScaler | None:
+    """What the backward multiplies the loss by: accelerate's fp16 AMP scaler, or under DeepSpeed
+    (whose fp16 loss scale accelerate does not hold) the engine's own."""
+    if trainer.is_deepspeed_enabled:
+        return DeepSpeedLossScale(trainer.model_wrapped)
+    return getattr(trainer.accelerator, "scaler", None)
+
+
+def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle) -> float:
+    """The factor by which ``Trainer.training_step`` weighs the model's loss beyond its token mean
+    over the step: the loss terms are given the same factor, so that their share of the
+    objective is the configured one. transformers takes a model whose forward accepts
+    ``**kwargs`` to divide its loss by ``num_items_in_batch`` (the step's target count over all
+    ranks), so it skips the division by the accumulation steps and multiplies by the number of
+    processes (``average_tokens_across_devices``). A forward that computes its own micro-batch
+    mean instead (``CrossEntropyLoss()`` in Marian, T5, Bart, ...) thus trains on
+    accumulation steps × processes times the mean; 1 for a model that divides by
+    ``num_items_in_batch`` (``self.loss_function``), a ``compute_loss_func``, a label smoother or
+    a forward without ``**kwargs``."""
+    if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+        return 1.0
+    if not trainer.model_accepts_loss_kwargs or loss_divides_by_item_count(handle.model):
+        return 1.0
+    scale = float(trainer.args.gradient_accumulation_steps) if trainer.loss_is_scaled_for_ga in (None, True) else 1.0
+    if trainer.args.average_tokens_across_devices:
+        scale *= trainer.accelerator.num_processes
+    return scale
+
+
+def refusal(trainer: Trainer) -> str | None:
+    """Why the Trainer's parallel layout cannot be served exactly, or None. Served (each tested
+    against one process, docs/trainers.md): DDP, accelerate's FSDP2 and FSDP1 (``FULL_SHARD``,
+    ``SHARD_GRAD_OP``, ``NO_SHARD``; ``use_orig_params`` either way) and DeepSpeed ZeRO-1/2/3
+    (with or without CPU offload). Refused: the layouts that split a head's vocabulary or a
+    sequence over ranks, and hybrid sharding, none of them run through the Trainer here."""
+    config = getattr(trainer.args, "parallelism_config", None)
+    sizes = {name: int(getattr(config, f"{name}_size", None) or 1) for name in ("tp", "cp", "sp", "dp_replicate")}
+    model_tp = int(getattr(peft_base_model(trainer.model), "tp_size", None) or 1)
+    if sizes["tp"] > 1 or model_tp > 1:
+        return (
+            f"tensor parallelism through the Trainer (tp_size={max(sizes['tp'], model_tp)}): each rank holds a vocabulary "
+            "shard of the LM head and of its logits, which the HF adapter does not route; train without tensor "
+            "parallelism (FSDP2 or ZeRO-3 shard the model exactly), or use torchtitan, whose vocabulary-parallel fused "
+            "loss is exact"
+        )
+    if sizes["cp"] > 1 or sizes["sp"] > 1:
+        which = "context" if sizes["cp"] > 1 else "sequence"
+        return (
+            f"{which} parallelism (parallelism_config {which[0]}p_size={max(sizes['cp'], sizes['sp'])}): each rank holds a "
+            "slice of every sequence, so the targets a rank announces are not its head's positions; train without it"
+        )
+    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+    strategy = str(getattr(plugin, "reshard_after_forward", ""))  # FSDP1: its ShardingStrategy; FSDP2: a bool
+    if sizes["dp_replicate"] > 1 or "HYBRID" in strategy.upper():
+        return (
+            "hybrid sharding (HSDP: parallelism_config dp_replicate_size > 1, or FSDP1 HYBRID_SHARD) is not tested "
+            "through the Trainer: use full sharding (fsdp='full_shard', FSDP2 or FSDP1) or DeepSpeed ZeRO-3, both "
+            "exact, or torchtitan, whose HSDP is exact"
+        )
+    return None
+
+
+__all__ = ["loss_scaler", "model_loss_scale", "refusal"]
