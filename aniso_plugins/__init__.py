@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "CumulativeTargetCounts": "aniso_plugins.metrics.frequency.groups",
     "LabelAlignment": "aniso_plugins.core.targets",
     "LocalRows": "aniso_plugins.numerics.distributed",
+    "LogitTransform": "aniso_plugins.methods.fused_loss.logit_transform",
     "LowRankHead": "aniso_plugins.methods.heads.lowrank",
     "ModelHandle": "aniso_plugins.core.model",
     "OutputEmbeddingsHandle": "aniso_plugins.core.model",
@@ -111,6 +112,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
     from aniso_plugins.methods.fused_loss.head import TrainingHead
     from aniso_plugins.methods.fused_loss.linear import gated_linear
+    from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
     from aniso_plugins.methods.fused_loss.row_gates import RowGates
     from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
     from aniso_plugins.methods.regularizers.penalties import cosine_hinge, cosreg, spectrum_penalty, weight_singular_values
@@ -159,6 +161,7 @@ __all__ = [
     "CumulativeTargetCounts",
     "LabelAlignment",
     "LocalRows",
+    "LogitTransform",
     "LowRankHead",
     "ModelHandle",
     "OutputEmbeddingsHandle",

@@ -385,7 +385,7 @@ class AnisoCallback(TrainerCallback):
             accumulation_steps=args.gradient_accumulation_steps,
             grad_scaler=loss_scaler(self.trainer),
             label_smoothing=args.label_smoothing_factor if self.trainer.label_smoother is not None else 0.0,
-            loss_scale=model_loss_scale(self.trainer, self.session.handle),
+            loss_scale=model_loss_scale(self.trainer, self.session.handle, self.session.supplies_loss),
             engine_root=self.trainer.model_wrapped,
         )
         if state.global_step > 0:

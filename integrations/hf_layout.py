@@ -25,7 +25,7 @@ def loss_scaler(trainer: Trainer) -> GradScaler | None:
     return getattr(trainer.accelerator, "scaler", None)
 
 
-def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle) -> float:
+def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle, supplies_loss: bool = False) -> float:
     """The factor by which ``Trainer.training_step`` weighs the model's loss beyond its token mean
     over the step: the loss terms are given the same factor, so that their share of the
     objective is the configured one. transformers takes a model whose forward accepts
@@ -34,9 +34,11 @@ def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle) -> float:
     processes (``average_tokens_across_devices``). A forward that computes its own micro-batch
     mean instead (``CrossEntropyLoss()`` in Marian, T5, Bart, ...) thus trains on
     accumulation steps × processes times the mean; 1 for a model that divides by
-    ``num_items_in_batch`` (``self.loss_function``), a ``compute_loss_func``, a label smoother or
-    a forward without ``**kwargs``."""
-    if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+    ``num_items_in_batch`` (``self.loss_function``), a ``compute_loss_func``, a label smoother, a
+    forward without ``**kwargs``, and where the plugins may supply a batch's loss themselves
+    (`supplies_loss`, SimCSE: a batch without labels has no ``num_items_in_batch``, and the
+    Trainer divides that loss by the accumulation steps as usual)."""
+    if trainer.compute_loss_func is not None or trainer.label_smoother is not None or supplies_loss:
         return 1.0
     if not trainer.model_accepts_loss_kwargs or loss_divides_by_item_count(handle.model):
         return 1.0

@@ -53,8 +53,8 @@ def test_alignment_it_cannot_tell_is_refused_naming_targets():
     with pytest.raises(SetupError, match="targets="):
         alignment_of(MyLM())
     xlm = _meta(transformers.XLMConfig, transformers.XLMWithLMHeadModel, emb_dim=8, n_layers=1, n_heads=1, **SMALL)
-    with pytest.raises(SetupError, match="both as a causal and as a masked LM.*targets="):
-        alignment_of(xlm)  # listed as both (its loss does not shift): only the user can say
+    with pytest.raises(SetupError, match=r"XLMWithLMHeadModel.*hands the labels to self\.pred_layer.*targets="):
+        alignment_of(xlm)  # its head computes the loss (and it is listed as both): only the user can say
     assert target_rule("aligned", xlm) == LabelAlignment("aligned")
     with pytest.raises(SetupError, match="targets="):
         target_rule(None, None)  # a head named by path: no model to ask

@@ -88,7 +88,8 @@ def label_alignment_in_forward(model: nn.Module) -> str | None:
         return None
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
     if any(_is_self_attribute(n.func, "loss_function") for n in calls):
-        name = getattr(getattr(model, "loss_function", None), "__name__", None)
+        function = getattr(model, "loss_function", None)
+        name = getattr(getattr(function, "original", function), "__name__", None)  # FusedCausalLMLoss: the model's own
         return "causal" if name in _SHIFTING_LOSSES else "aligned" if name in _ALIGNED_LOSSES else None
     if not any(_called_name(n) in _LOSS_CALLS for n in calls):
         return None
@@ -105,7 +106,8 @@ def labels_passed_to(model: nn.Module) -> str | None:
     for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
         arguments = [*call.args, *(k.value for k in call.keywords)]
         takes_labels = any(isinstance(a, ast.Name) and a.id == "labels" for a in arguments)
-        if takes_labels and isinstance(call.func, ast.Attribute) and _is_self_attribute(call.func, call.func.attr):
+        own = isinstance(call.func, ast.Attribute) and _is_self_attribute(call.func, call.func.attr)
+        if takes_labels and own and call.func.attr != "loss_function":  # loss_function: `label_alignment_in_forward`
             return f"self.{call.func.attr}"
     return None
 

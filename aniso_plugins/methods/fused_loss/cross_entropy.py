@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
+from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
 from aniso_plugins.numerics.distributed import VocabShard
 from aniso_plugins.numerics.linalg import ROW_BLOCK
@@ -119,12 +120,14 @@ class _Workspace:
 
     def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
                  target_grad: torch.Tensor | None, db: torch.Tensor | None,
-                 smooth: torch.Tensor | None) -> torch.Tensor:
-        """D·G = softmax(z) − (1 − ε)·onehot(y) − ε/V for the logits chunk `z`, in the GEMM dtype
-        (in place in the logits buffer on the CPU), computed in float32 block by block. Writes
-        p_{i,y_i} into `row` (`row_losses` turns it into −log p), G's target entries into
-        `target_grad` and ε(z_iy − mean_k z_ik) into `smooth`, adds Σ_rows G into `db` (each
-        None: not wanted)."""
+                 smooth: torch.Tensor | None, transform: LogitTransform | None = None) -> torch.Tensor:
+        """D·G = (softmax(z') − (1 − ε)·onehot(y) − ε/V) ⊙ dz'/dz for the logits chunk `z`, z' its
+        `transform` (z itself when None), in the GEMM dtype (in place in the logits buffer on the
+        CPU), computed in float32 block by block. Writes p_{i,y_i} into `row` (`row_losses` turns
+        it into −log p), G's target entries into `target_grad` and ε(z'_iy − mean_k z'_ik) into
+        `smooth`, adds Σ_rows G into `db` (each None: not wanted)."""
+        if transform is not None:
+            return self._transformed_gradient(z, yc, smoothing, row, target_grad, db, smooth, transform)
         if smooth is not None:  # the smoothing part of the row loss, before the in-place softmax
             smooth.copy_(smoothing * (z.gather(1, yc).squeeze(1).to(self.acc) - z.mean(1, dtype=self.acc)))
         p_target = row
@@ -147,6 +150,38 @@ class _Workspace:
                 return g.to(z.dtype)  # off the CPU: one block, a new tensor
         return z
 
+    def _transformed_gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
+                              target_grad: torch.Tensor | None, db: torch.Tensor | None, smooth: torch.Tensor | None,
+                              transform: LogitTransform) -> torch.Tensor:
+        """`gradient` through `transform`, block by block in float32: z' and dz'/dz of the block,
+        the smoothing term from z', softmax(z'), then the chain rule before the target entries and
+        Σ_rows G are taken."""
+        for i in range(0, z.shape[0], self.block):
+            zi, yi = z[i : i + self.block], yc[i : i + self.block]
+            n = zi.shape[0]
+            if zi.dtype == self.acc:
+                zf = zi  # in place: the float32 chunk
+            elif self.stage is not None:
+                zf = self.stage[:n].copy_(zi)
+            else:
+                zf = zi.to(self.acc)
+            derivative = transform.apply_(zf)
+            if smooth is not None:
+                smooth[i : i + n] = smoothing * (zf.gather(1, yi).squeeze(1) - zf.mean(1))
+            g = torch.ops.aten._softmax.out(zf, 1, False, out=zf) if self.on_cpu else torch.softmax(zf, 1)
+            row[i : i + n] = g.gather(1, yi).squeeze(1)
+            if smoothing:
+                g.sub_(smoothing / zf.shape[1])
+            g.scatter_add_(1, yi, torch.full_like(yi, smoothing - 1.0, dtype=g.dtype))
+            transform.chain_(g, derivative)
+            if target_grad is not None:
+                target_grad[i : i + n] = g.gather(1, yi).squeeze(1)
+            if db is not None:
+                db.add_(g.sum(0))
+            if g is not zi:
+                zi.copy_(g)
+        return z
+
 
 class _VocabParallelWorkspace(_Workspace):
     """`_Workspace` for a vocabulary shard (tensor parallelism, loss parallel): each chunk's
@@ -164,11 +199,12 @@ class _VocabParallelWorkspace(_Workspace):
 
     def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
                  target_grad: torch.Tensor | None, db: torch.Tensor | None,
-                 smooth: torch.Tensor | None) -> torch.Tensor:
+                 smooth: torch.Tensor | None, transform: LogitTransform | None = None) -> torch.Tensor:
         """`_Workspace.gradient` over the shard's columns of G; writes −log p_{i,y_i} into `row`
         (identical on every shard) and G's target entries only where this shard holds y_i."""
         shard, group = self.shard, self.shard.group
         g = z if z.dtype == self.acc else self.work[: z.shape[0]].copy_(z)
+        derivative = None if transform is None else transform.apply_(g)  # z' of the shard's columns
         y = yc.squeeze(1)
         owned = shard.owned(y)
         local = torch.where(owned, y - shard.start, 0)[:, None]
@@ -185,7 +221,9 @@ class _VocabParallelWorkspace(_Workspace):
         g.div_(sums[0][:, None])
         if smoothing:
             g.sub_(smoothing / shard.total)
-        g.scatter_add_(1, local, torch.where(owned, smoothing - 1.0, 0.0).to(g.dtype)[:, None])
+        g.scatter_add_(1, local, torch.where(owned, g.new_tensor(smoothing - 1.0), g.new_tensor(0.0))[:, None])  # in g's dtype
+        if transform is not None:
+            transform.chain_(g, derivative)
         if target_grad is not None:
             target_grad.copy_(torch.where(owned, g.gather(1, local).squeeze(1), 0.0))
         if db is not None:
@@ -209,16 +247,18 @@ def _scaled(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
 
 
 def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys: torch.Tensor, w: torch.Tensor,
-                b: torch.Tensor | None, compute: torch.dtype, chunk_size: int) -> torch.Tensor:
-    """Each row's −log p_{i,y_i} = logsumexp(z_i) − z_{i,y_i} from its target probability; rows whose
-    probability is below the dtype's smallest normal number (a loss above ≈ 87 nats in float32,
-    where −log p loses precision or is infinite) get logsumexp(z_i) − z_{i,y_i} from their logits,
-    recomputed (rare: one small GEMM for those rows only)."""
+                b: torch.Tensor | None, compute: torch.dtype, chunk_size: int,
+                transform: LogitTransform | None = None) -> torch.Tensor:
+    """Each row's −log p_{i,y_i} = logsumexp(z'_i) − z'_{i,y_i} from its target probability; rows
+    whose probability is below the dtype's smallest normal number (a loss above ≈ 87 nats in
+    float32, where −log p loses precision or is infinite) get it from their logits z' (after
+    `transform`), recomputed (rare: one small GEMM for those rows only)."""
     nll = p_target.log().neg_()
     low = (p_target < torch.finfo(p_target.dtype).tiny).nonzero().squeeze(1)
     for s in range(0, low.numel(), chunk_size):
         at = low[s : s + chunk_size]
         z = F.linear(X[rows[at]].to(compute), w, b).to(p_target.dtype)
+        z = z if transform is None else transform(z)
         nll[at] = torch.logsumexp(z, 1) - z.gather(1, ys[at, None]).squeeze(1)
     return nll
 
@@ -226,7 +266,7 @@ def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys:
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled,
-                shard, backward_twice):
+                shard, backward_twice, transform):
         compute, acc, _ = dtypes
         v, d = weight.shape
         want_dx, want_dw, want_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
@@ -260,7 +300,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 # D·G_c, the chunk's logit gradient before the 1/D: that goes on the (rows, d) and
                 # V-sized results, not on the chunk
                 zc = space.gradient(z, yc, smoothing, row[s:e], None if tv is None else tv[s:e], db,
-                                    None if smooth is None else smooth[s:e])
+                                    None if smooth is None else smooth[s:e], transform)
                 if want_dx:
                     dx[rows[s:e]] = _scaled(torch.mm(zc, w).to(hidden.dtype), scale)
                 if want_dw:
@@ -272,7 +312,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             space = z = zc = None  # free the chunk buffers before the row losses
             if db is not None:
                 db = _scaled(db, scale)
-            nll = row if shard is not None else _row_losses(row, X, rows, ys, w, b, compute, chunk_size)
+            nll = row if shard is not None else _row_losses(row, X, rows, ys, w, b, compute, chunk_size, transform)
             loss = (nll if smooth is None else nll + smooth).sum() * scale
             if want_dw and gates is not None:
                 if not base_scaled:
@@ -308,7 +348,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 f"({float(grad)} after {float(ctx.scaled_by)}); the gradients are computed in forward and scaled once"
             )
         ctx.grads = grads if ctx.backward_twice else None
-        return (*grads, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
@@ -336,10 +376,14 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     shard: VocabShard | None = None,
     backward_twice: bool = False,
+    logit_transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 
-        loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − (1 − ε) z_{i,y_i} − ε mean_k z_ik) / D,   z_i = W h_i + b,
+        loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − (1 − ε) z_{i,y_i} − ε mean_k z_ik) / D,   z_i = T(W h_i + b),
+
+    T the `logit_transform` applied to each logit before the loss (a soft-cap c·tanh(s·z/c) or a
+    scale s·z, `LogitTransform`; the identity when None), with dT/dz in every gradient,
 
     ε = `label_smoothing` (0: plain cross-entropy; as ``F.cross_entropy(label_smoothing=ε)`` and
     transformers' ``LabelSmoother``: (1 − ε)·CE + ε·mean_k(−log p_ik) per row),
@@ -378,7 +422,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
     gates = None if row_gates is None else row_gates.to(weight.device)
     targets = index_targets(targets, hidden.device)
+    transform = None if logit_transform is None or logit_transform.identity else logit_transform
     return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
-        torch.is_grad_enabled(), shard, backward_twice,
+        torch.is_grad_enabled(), shard, backward_twice, transform,
     )
