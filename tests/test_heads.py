@@ -61,7 +61,7 @@ def test_svd_init_is_the_best_rank_r_approximation_split_evenly(rank):
     assert low.A.shape == (V, rank) and low.B.shape == (rank, D)
     assert low.A.dtype == torch.float64 and low.A.requires_grad and low.B.requires_grad
     torch.testing.assert_close(low.bias, head.bias)
-    assert low.bias is not head.bias
+    assert low.bias is head.bias  # the head's own bias Parameter: a bias the model ties elsewhere stays tied (BERT)
 
 
 def test_forward_is_the_linear_map_of_the_product_and_trains_both_factors():

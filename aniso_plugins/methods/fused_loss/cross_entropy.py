@@ -382,13 +382,9 @@ def fused_linear_cross_entropy(
 
         loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − (1 − ε) z_{i,y_i} − ε mean_k z_ik) / D,   z_i = T(W h_i + b),
 
-    T the `logit_transform` applied to each logit before the loss (a soft-cap c·tanh(s·z/c) or a
-    scale s·z, `LogitTransform`; the identity when None), with dT/dz in every gradient,
-
-    ε = `label_smoothing` (0: plain cross-entropy; as ``F.cross_entropy(label_smoothing=ε)`` and
-    transformers' ``LabelSmoother``: (1 − ε)·CE + ε·mean_k(−log p_ik) per row),
-
-    D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
+    T = `logit_transform` (a soft-cap or scale, `LogitTransform`, dT/dz in every gradient; None:
+    the identity), ε = `label_smoothing` (as ``F.cross_entropy(label_smoothing=ε)`` and
+    transformers' ``LabelSmoother``: (1 − ε)·CE + ε·mean_k(−log p_ik) per row), D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
     and 0 gradients when there is none) or `normalizer` (``reduction="sum"``; 1 if None; pass
     torchtitan's ``global_valid_tokens`` here). Gradients: plain CE for `hidden` and `bias`;
     for `weight` the gated ``(G ⊙ Γ)ᵀ X`` of `row_gates` (AGG's: docs/methods.md §1.5), as
@@ -399,14 +395,13 @@ def fused_linear_cross_entropy(
     `default_chunk_rows`, at most 512 MiB) and its temporaries beyond the gradients dW (V × d,
     in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are
     computed in the forward (skipped when grad mode is off, e.g. validation), so the backward may
-    run once; `backward_twice`: a second one (retained graph) gets them again, for one more dX + dW. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands,
-    as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
+    run once; `backward_twice`: a second one (retained graph) gets them again, for one more dX +
+    dW. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands, as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
     goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
     chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
     rows, elsewhere through one V × d buffer: `aniso_plugins.methods.fused_loss.gemm.addmm_in_`).
-    `weight` must be the full (V, d) tensor (under FSDP2 call it where the head parameter is
-    unsharded), or with `shard` a vocabulary shard of it (see the module docstring).
-    """
+    `weight`: the full (V, d) tensor (under FSDP2 where the head is unsharded), or with `shard` a
+    vocabulary shard of it (see the module docstring)."""
     check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy", shard)
     dtypes = compute_dtypes(hidden, weight)
     if chunk_size is None:
@@ -422,8 +417,8 @@ def fused_linear_cross_entropy(
         raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
     gates = None if row_gates is None else row_gates.to(weight.device)
     targets = index_targets(targets, hidden.device)
-    transform = None if logit_transform is None or logit_transform.identity else logit_transform
     return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
-        torch.is_grad_enabled(), shard, backward_twice, transform,
+        torch.is_grad_enabled(), shard, backward_twice, None if logit_transform is None or logit_transform.identity
+        else logit_transform,
     )
