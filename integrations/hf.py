@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
-from aniso_plugins.core.causal_loss import FusedLabelSmoother, install_fused_causal_loss, why_loss_is_not_reproduced
+from aniso_plugins.core.causal_loss import FusedLabelSmoother, install_fused_causal_loss
 from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
 from aniso_plugins.integrations import hf_layout, hf_trl
@@ -211,10 +211,11 @@ class AnisoCallback(TrainerCallback):
         if hf_trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
             self._trl_unroute = hf_trl.route_through_head(model, self.trainer)
         if self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
-            handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index))
+            transform = hf_layout.head_transform(handle)
+            handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index, transform))
             smoother = self.trainer.label_smoother
             if smoother is not None and "label_smoother" not in self._wrappers:
-                self._wrappers["label_smoother"] = (FusedLabelSmoother(smoother), smoother)
+                self._wrappers["label_smoother"] = (FusedLabelSmoother(smoother, transform), smoother)
                 self.trainer.label_smoother = self._wrappers["label_smoother"][0]
         self._rule = rule
 
@@ -553,7 +554,7 @@ def _with_set_up(model_init: Callable, set_up: Callable[[nn.Module], None]) -> C
 
 def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle, config: AnisoConfig) -> str | None:
     """None if the fused loss reproduces `trainer`'s training loss of the handle's model exactly
-    (``Trainer.compute_loss`` of a conventional causal LM, `why_loss_is_not_reproduced`), else why not."""
+    (``Trainer.compute_loss`` of a conventional causal LM, `hf_layout.fused_loss_refusal`), else why not."""
     if trainer.compute_loss_func is not None:
         return "the Trainer has a compute_loss_func, which computes the loss from the logits"
     own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (Trainer, AnisoTrainerMixin)]
@@ -562,7 +563,7 @@ def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle
     name = handle.model._get_name()
     if trainer.label_smoother is not None and name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         return f"label smoothing of {name}, which the Trainer does not shift as a causal LM"
-    return why_loss_is_not_reproduced(handle.model, config.ignore_index)
+    return hf_layout.fused_loss_refusal(trainer, handle, config.ignore_index)  # sets handle.logit_transform
 
 
 def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:

@@ -1,12 +1,14 @@
 """The HF Trainer's parallel layout as the adapter reads it at ``Trainer(...)`` and at the start
 of training: which engines it serves (DDP, accelerate's FSDP2 and FSDP1, DeepSpeed ZeRO-1/2/3,
 each exact against one process: tests/test_hf_engines.py) and refuses, and how the Trainer and
-its engine weigh the loss, which the loss terms must follow (docs/trainers.md, "Parallelism")."""
+its engine weigh the loss, which the loss terms must follow (docs/trainers.md, "Parallelism"), and
+whether the fused loss reproduces the model's own (a soft-cap or scale of its logits included)."""
 
 from __future__ import annotations
 
 from aniso_plugins import OutputEmbeddingsHandle
-from aniso_plugins.core.causal_loss import loss_divides_by_item_count
+from aniso_plugins import LogitTransform
+from aniso_plugins.core.causal_loss import IDENTITY, HeadTransform, fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.core.loss_scale import DeepSpeedLossScale
 from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.session import GradScaler
@@ -23,6 +25,29 @@ def loss_scaler(trainer: Trainer) -> GradScaler | None:
     if trainer.is_deepspeed_enabled:
         return DeepSpeedLossScale(trainer.model_wrapped)
     return getattr(trainer.accelerator, "scaler", None)
+
+
+def fused_loss_refusal(trainer: Trainer, handle: OutputEmbeddingsHandle, ignore_index: int) -> str | None:
+    """Why the fused loss cannot reproduce the model's own loss (`fused_loss_transform`), or None;
+    sets ``handle.logit_transform`` to the soft-cap or scale its forward applies to the head's
+    output. A transformed head is fused only where no engine hooks the head's output (FSDP and
+    DeepSpeed pass it through functions of their own, which the fused sum's pass-through of the
+    model's transform does not survive): there it stays on the gated head."""
+    why_not, transform = fused_loss_transform(handle.model, ignore_index)
+    handle.logit_transform = None
+    if why_not is not None or transform == IDENTITY:
+        return why_not
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        engine = "FSDP" if trainer.is_fsdp_enabled else "DeepSpeed"
+        return f"the model transforms its logits (scale {transform[0]}, soft-cap {transform[1]}), which is fused only without {engine}"
+    handle.logit_transform = LogitTransform(*transform)
+    return None
+
+
+def head_transform(handle: OutputEmbeddingsHandle) -> HeadTransform:
+    """``handle.logit_transform`` as the loss functions check it: (scale, soft-cap)."""
+    transform = handle.logit_transform
+    return IDENTITY if transform is None else (transform.scale, transform.softcap)
 
 
 def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle, supplies_loss: bool = False) -> float:
@@ -81,4 +106,4 @@ def refusal(trainer: Trainer) -> str | None:
     return None
 
 
-__all__ = ["loss_scaler", "model_loss_scale", "refusal"]
+__all__ = ["fused_loss_refusal", "head_transform", "loss_scaler", "model_loss_scale", "refusal"]

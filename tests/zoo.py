@@ -341,7 +341,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in [
     Arch("llama_untied", lambda: llama(tied=False), "causal", tied=False, fused=True),
     Arch("qwen2", qwen2, "causal", tied=False, fused=True),
     Arch("mistral", mistral, "causal", tied=False, fused=True),
-    Arch("gemma2_softcap", gemma2, "causal", tied=True, post=_softcap),
+    Arch("gemma2_softcap", gemma2, "causal", tied=True, post=_softcap, fused=True),
     Arch("gemma", gemma, "causal", tied=True, fused=True),
     Arch("gpt_neox", gpt_neox, "causal", tied=False, fused=True),
     Arch("opt", opt, "causal", tied=True, fused=True),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import textwrap
 from collections.abc import Callable
 
@@ -30,30 +31,53 @@ _HEAD_CALLS = ("float", "contiguous")
 """Methods a conventional forward may call on the head's output before naming it ``logits``."""
 
 
+HeadTransform = tuple[float, "float | None"]
+"""(scale s, soft-cap c): the model's logits are c·tanh(s·z/c) of the head's z, or s·z when c is
+None (`aniso_plugins.LogitTransform`); (1.0, None) when it passes them on unchanged."""
+IDENTITY: HeadTransform = (1.0, None)
+
+
 def why_loss_is_not_reproduced(model: nn.Module, ignore_index: int) -> str | None:
     """None if `model` (a transformers causal LM, not PEFT-wrapped) computes its training loss
     as ForCausalLMLoss of its head's unchanged output and the run ignores its label −100
-    (`ignore_index`); otherwise what differs."""
+    (`ignore_index`); otherwise what differs (a soft-cap or scale of the logits included: see
+    `fused_loss_transform` for a caller that fuses it)."""
+    why_not, transform = fused_loss_transform(model, ignore_index)
+    if why_not is None and transform != IDENTITY:
+        return f"{type(model).__name__}.forward transforms its logits after the head (scale {transform[0]}, soft-cap {transform[1]})"
+    return why_not
+
+
+def fused_loss_transform(model: nn.Module, ignore_index: int) -> tuple[str | None, HeadTransform]:
+    """(None, transform) if `model` computes its training loss as ForCausalLMLoss of
+    `transform` applied to its head's output (the identity, or the soft-cap / scale statements
+    of Gemma 2/3, Cohere, Granite, Falcon-H1, with their values read from the model), and the
+    run ignores the label −100; otherwise (what differs, the identity)."""
     if ignore_index != -100:
-        return f"ignore_index={ignore_index}, but transformers' losses ignore -100"
+        return f"ignore_index={ignore_index}, but transformers' losses ignore -100", IDENTITY
     name = type(model).__name__
     try:
         from transformers.loss.loss_utils import ForCausalLMLoss
     except ImportError:
-        return "transformers is not installed"
+        return "transformers is not installed", IDENTITY
     function = getattr(model, "loss_function", None)
     if function is not ForCausalLMLoss:
-        return f"{name}'s loss function is {getattr(function, '__name__', function)!r}, not transformers' ForCausalLMLoss"
+        return f"{name}'s loss function is {getattr(function, '__name__', function)!r}, not transformers' ForCausalLMLoss", IDENTITY
     head = model.get_output_embeddings()
     attribute = next((key for key, module in model._modules.items() if module is head), None)
     if attribute is None:
-        return f"{name}'s LM head is not one of its own attributes"
+        return f"{name}'s LM head is not one of its own attributes", IDENTITY
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
     except (OSError, TypeError, SyntaxError):
-        return f"the code of {name}.forward cannot be read"
-    problem = _logits_flow(tree, attribute)
-    return None if problem is None else f"{name}.forward {problem}"
+        return f"the code of {name}.forward cannot be read", IDENTITY
+    problem, ops = _logits_flow(tree, attribute, model)
+    if problem is not None:
+        return f"{name}.forward {problem}", IDENTITY
+    transform = transform_of(ops)
+    if isinstance(transform, str):
+        return f"{name}.forward {transform}", IDENTITY
+    return None, transform
 
 
 def loss_divides_by_item_count(model: nn.Module) -> bool:
@@ -136,25 +160,40 @@ def _is_shift(node: ast.Subscript) -> bool:
     return drops_first or drops_last
 
 
-def _logits_flow(tree: ast.AST, head: str) -> str | None:
+def _logits_flow(tree: ast.AST, head: str, model: nn.Module) -> tuple[str | None, list[tuple]]:
     """What in a forward's tree departs from ``logits = self.<head>(h)`` (any name for
-    ``logits``) followed only by ``self.loss_function(logits, ...)`` and the returned output;
-    None if nothing."""
+    ``logits``) followed only by elementwise transforms of it (``logits = logits / X``,
+    ``* X``, ``torch.tanh(logits)``; ``self.<head>(h) * X``; a block of them under
+    ``if <self attribute> is not None:``; X a number attribute of the model) and by
+    ``self.loss_function(logits, ...)`` and the returned output: (None, the transforms' operations
+    in order, with X's values), or (the departure, [])."""
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     heads = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _is_self_attribute(n.func, head)]
     if len(heads) != 1:
-        return f"calls self.{head} {len(heads)} times" if heads else f"does not call self.{head}"
+        return (f"calls self.{head} {len(heads)} times" if heads else f"does not call self.{head}"), []
     value = heads[0]
     while isinstance(parents[value], ast.Attribute) and parents[value].attr in _HEAD_CALLS:
         value = parents[parents[value]]  # self.lm_head(h).float(): the Call of the method
+    ops: list[tuple] = []
+    while (op := _scaling(parents[value], value, model)) is not None:  # self.lm_head(h) * X
+        ops.append(op)
+        value = parents[value]
     assign = parents[value]
     if not (isinstance(assign, ast.Assign) and len(assign.targets) == 1 and isinstance(assign.targets[0], ast.Name)):
         statement = _statement(value, parents)
-        return f"computes on the head's output: `{ast.unparse(statement)}` (line {statement.lineno})"
+        return f"computes on the head's output: `{ast.unparse(statement)}` (line {statement.lineno})", []
     name = assign.targets[0].id
-    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name]
-    if any(not isinstance(n.ctx, ast.Load) for n in uses if n is not assign.targets[0]):
-        return f"assigns {name} again after the head (e.g. a soft-cap or a logit scale)"
+    transforms = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and node is not assign and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            step = _transform_statement(node, name, parents, model)
+            if isinstance(step, str):
+                return step, []
+            transforms[node] = step
+    for node in sorted(transforms, key=lambda n: (n.lineno, n.col_offset)):
+        ops.extend(transforms[node])
+    inside = {n for statement in transforms for n in ast.walk(statement)}
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and n not in inside]
     to_loss = False
     for node in uses:
         parent = parents[node]
@@ -163,8 +202,100 @@ def _logits_flow(tree: ast.AST, head: str) -> str | None:
             to_loss = True
         elif node is not assign.targets[0] and not isinstance(parent, (ast.keyword, ast.Tuple)):
             statement = _statement(node, parents)
-            return f"uses its logits after the head: `{ast.unparse(statement)}` (line {statement.lineno})"
-    return None if to_loss else f"does not pass {name} to self.loss_function"
+            return f"uses its logits after the head: `{ast.unparse(statement)}` (line {statement.lineno})", []
+    return (None, ops) if to_loss else (f"does not pass {name} to self.loss_function", [])
+
+
+def _number(node: ast.AST, model: nn.Module) -> float | None:
+    """The value of a number literal or of a ``self.a.b`` attribute of `model` that holds a real
+    number (or a 0-dim tensor), else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return float(node.value)
+    value = _attribute_value(node, model)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+_MISSING = object()
+
+
+def _attribute_value(node: ast.AST, model: nn.Module) -> object:
+    """The value of ``self.a.b...`` on `model`, or `_MISSING` for anything else."""
+    path = []
+    while isinstance(node, ast.Attribute):
+        path.append(node.attr)
+        node = node.value
+    if not (isinstance(node, ast.Name) and node.id == "self" and path):
+        return _MISSING
+    value: object = model
+    for attr in reversed(path):
+        value = getattr(value, attr, _MISSING)
+        if value is _MISSING:
+            return _MISSING
+    return value
+
+
+def _scaling(node: ast.AST, operand: ast.AST, model: nn.Module) -> tuple | None:
+    """("mul", x) / ("div", x) when `node` is ``operand * X``, ``X * operand`` or ``operand / X``
+    with X a number of the model (`_number`), else None."""
+    if not isinstance(node, ast.BinOp) or not isinstance(node.op, (ast.Mult, ast.Div)):
+        return None
+    other = node.right if node.left is operand else node.left if isinstance(node.op, ast.Mult) and node.right is operand else None
+    x = None if other is None else _number(other, model)
+    return None if x is None else ("mul" if isinstance(node.op, ast.Mult) else "div", x)
+
+
+def _transform_statement(node: ast.Assign, name: str, parents: dict, model: nn.Module) -> list[tuple] | str:
+    """The operations of ``name = name * X`` / ``name / X`` / ``X * name`` / ``torch.tanh(name)``
+    (none when it sits in an ``if self.<attr> is not None:`` block whose attribute is None), or
+    why it is not such a statement."""
+    block = parents[node]
+    if isinstance(block, ast.If):
+        test = block.test
+        guarded = (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.IsNot)
+                   and isinstance(test.comparators[0], ast.Constant) and test.comparators[0].value is None)
+        attribute = _attribute_value(test.left, model) if guarded else _MISSING
+        if attribute is _MISSING or block.orelse:
+            return f"transforms {name} under a condition it cannot read: `{ast.unparse(test)}` (line {block.lineno})"
+        if attribute is None:
+            return []  # the block does not run for this model
+    elif isinstance(block, (ast.For, ast.While, ast.With, ast.Try)):
+        return f"transforms {name} inside a {type(block).__name__.lower()} block (line {node.lineno})"
+    value = node.value
+    ops: list[tuple] | None = None
+    if isinstance(value, ast.BinOp):
+        operand = value.left if isinstance(value.left, ast.Name) and value.left.id == name else value.right
+        op = _scaling(value, operand, model) if isinstance(operand, ast.Name) and operand.id == name else None
+        ops = None if op is None else [op]
+    elif isinstance(value, ast.Call) and ast.unparse(value.func) in ("torch.tanh", "tanh") and len(value.args) == 1:
+        ops = [("tanh",)] if isinstance(value.args[0], ast.Name) and value.args[0].id == name else None
+    if ops is None:
+        return f"assigns {name} again after the head: `{ast.unparse(node)}` (line {node.lineno})"
+    return ops
+
+
+def transform_of(ops: list[tuple]) -> HeadTransform | str:
+    """The (scale, soft-cap) of elementwise operations in order (("mul", x), ("div", x),
+    ("tanh",)): linear ones before an optional tanh scale it, linear ones after it are the cap
+    (c·tanh(k·z): scale k·c, soft-cap c > 0); or why they are not of that form."""
+    tanh = [i for i, op in enumerate(ops) if op[0] == "tanh"]
+
+    def product(part: list[tuple]) -> float:
+        out = 1.0
+        for kind, x in part:
+            out = out * x if kind == "mul" else out / x
+        return out
+
+    if not tanh:
+        return product(ops), None
+    if len(tanh) > 1:
+        return "applies tanh more than once to its logits"
+    before, after = ops[: tanh[0]], ops[tanh[0] + 1 :]
+    cap = product(after)
+    if cap <= 0:
+        return f"scales tanh of its logits by {cap}, not a positive soft-cap"
+    return product(before) * cap, cap
 
 
 def _is_self_attribute(node: ast.AST | None, name: str) -> bool:
@@ -205,14 +336,86 @@ def _divided_by_denominator(
     return summed / denominator
 
 
+_PASSED_THROUGH = {
+    torch.Tensor.__truediv__: "div", torch.Tensor.div: "div", torch.div: "div", torch.true_divide: "div",
+    torch.Tensor.__mul__: "mul", torch.Tensor.__rmul__: "mul", torch.Tensor.mul: "mul", torch.mul: "mul",
+    torch.tanh: "tanh", torch.Tensor.tanh: "tanh",
+}  # fmt: skip
+
+
+class FusedLossSum(torch.Tensor):
+    """The head's fused loss sum (0-dim), handed back where the logits would be, for a model whose
+    forward goes on to transform them elementwise (a soft-cap, a scale): the fused loss applied
+    that transform to every logit already, so the forward's ``/ x``, ``* x`` and ``tanh`` return
+    this value unchanged and are recorded (`ops`), and the loss function checks them against the
+    transform fused (`checked`). Any other operation gives a plain tensor."""
+
+    ops: list[tuple]
+
+    @classmethod
+    def wrap(cls, loss: torch.Tensor) -> FusedLossSum:
+        out = loss.as_subclass(cls)  # the same value and autograd graph
+        out.ops = []
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kind = _PASSED_THROUGH.get(func)
+        if kind is not None and not kwargs and args and isinstance(args[0], cls):
+            value, rest = args[0], args[1:]
+            x = rest[0].item() if len(rest) == 1 and isinstance(rest[0], torch.Tensor) and rest[0].numel() == 1 else (
+                rest[0] if len(rest) == 1 else None)
+            if kind == "tanh" and not rest:
+                value.ops.append(("tanh",))
+                return value
+            if kind != "tanh" and isinstance(x, (int, float)) and not isinstance(x, bool):
+                value.ops.append((kind, float(x)))
+                return value
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def checked(self, expected: HeadTransform) -> torch.Tensor:
+        """The loss sum as a plain tensor, once the recorded operations are `expected`'s; raises
+        if the forward transformed the value otherwise (the fused loss would not be its loss)."""
+        got = transform_of(self.ops)
+        if isinstance(got, str) or not _same_transform(got, expected):
+            raise RuntimeError(
+                f"the fused loss applied the logit transform {expected} (scale, soft-cap) read from the model at set-up, "
+                f"but its forward applied {self.ops}; set AnisoConfig(fused_loss=False) and report the model"
+            )
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor)
+
+
+def _same_transform(a: HeadTransform, b: HeadTransform) -> bool:
+    return math.isclose(a[0], b[0], rel_tol=1e-12) and (a[1] is None) == (b[1] is None) and (
+        a[1] is None or math.isclose(a[1], b[1], rel_tol=1e-12))
+
+
+def fused_sum(logits: torch.Tensor, transform: HeadTransform) -> torch.Tensor:
+    """The head's summed token loss from what the model's forward passed where its logits would
+    be (a 0-dim tensor): a `FusedLossSum` checked against `transform`, or, for the identity, the
+    tensor itself. Raises where a transform was expected and the value lost its wrapper (an
+    operation the forward applied that the fused loss did not)."""
+    if isinstance(logits, FusedLossSum):
+        return logits.checked(transform)
+    if transform != IDENTITY:
+        raise RuntimeError(
+            f"the fused loss expected the model's forward to pass its transformed sum through (transform {transform}), "
+            "but an operation it does not know replaced it; set AnisoConfig(fused_loss=False)"
+        )
+    return logits
+
+
 class FusedCausalLMLoss:
     """``model.loss_function`` while the head computes the fused loss: a 0-dim `logits` is the
-    head's summed token loss, returned divided by `causal_loss_denominator`; real logits go to
-    the model's own loss function `original`."""
+    head's summed token loss (`fused_sum`), returned divided by `causal_loss_denominator`; real
+    logits go to the model's own loss function `original`."""
 
-    def __init__(self, original: Callable[..., torch.Tensor], ignore_index: int) -> None:
+    def __init__(self, original: Callable[..., torch.Tensor], ignore_index: int, transform: HeadTransform = IDENTITY) -> None:
         self.original = original
         self.ignore_index = ignore_index
+        self.transform = transform
 
     def __call__(self, logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs):
         if logits.dim() != 0:
@@ -224,7 +427,7 @@ class FusedCausalLMLoss:
                 f"the model's loss ignores the label {ignore_index}, the fused loss {self.ignore_index}: set "
                 f"AnisoConfig(ignore_index={ignore_index}) or fused_loss=False"
             )
-        return _divided_by_denominator(logits, labels, num_items_in_batch, ignore_index, shift_labels)
+        return _divided_by_denominator(fused_sum(logits, self.transform), labels, num_items_in_batch, ignore_index, shift_labels)
 
 
 class FusedLabelSmoother:
@@ -233,10 +436,11 @@ class FusedLabelSmoother:
     Σ_i [(1 − ε) CE_i + ε mean_k(−log p_ik)], returned divided by LabelSmoother's denominator
     (`causal_loss_denominator` of the shifted labels); real logits go to `original`."""
 
-    def __init__(self, original: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, original: Callable[..., torch.Tensor], transform: HeadTransform = IDENTITY) -> None:
         self.original = original
         self.epsilon = float(original.epsilon)
         self.ignore_index = original.ignore_index
+        self.transform = transform
 
     def __call__(self, model_output, labels, shift_labels=False, num_items_in_batch=None):
         logits = model_output["logits"] if isinstance(model_output, dict) else model_output[0]
@@ -244,14 +448,15 @@ class FusedLabelSmoother:
             return self.original(model_output, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
         if not shift_labels:
             raise ValueError("the fused loss reproduces label smoothing of causal LMs only (shift_labels=True)")
-        return _divided_by_denominator(logits, labels, num_items_in_batch, self.ignore_index)
+        return _divided_by_denominator(fused_sum(logits, self.transform), labels, num_items_in_batch, self.ignore_index)
 
 
-def install_fused_causal_loss(model: nn.Module, ignore_index: int) -> Callable[[], None]:
-    """Set ``model.loss_function`` to `FusedCausalLMLoss`; returns the function that undoes it."""
+def install_fused_causal_loss(model: nn.Module, ignore_index: int, transform: HeadTransform = IDENTITY) -> Callable[[], None]:
+    """Set ``model.loss_function`` to `FusedCausalLMLoss` (its forward transforming the logits by
+    `transform`); returns the function that undoes it."""
     had_own = "_loss_function" in model.__dict__
     own = model.__dict__.get("_loss_function")
-    model.loss_function = FusedCausalLMLoss(model.loss_function, ignore_index)
+    model.loss_function = FusedCausalLMLoss(model.loss_function, ignore_index, transform)
 
     def undo() -> None:
         if had_own:
@@ -263,9 +468,15 @@ def install_fused_causal_loss(model: nn.Module, ignore_index: int) -> Callable[[
 
 
 __all__ = [
+    "IDENTITY",
     "FusedCausalLMLoss",
     "FusedLabelSmoother",
+    "FusedLossSum",
+    "HeadTransform",
     "causal_loss_denominator",
+    "fused_loss_transform",
+    "fused_sum",
     "install_fused_causal_loss",
+    "transform_of",
     "why_loss_is_not_reproduced",
 ]

@@ -25,6 +25,8 @@ from aniso_plugins.numerics.gathered import full_shape, gathered
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
+
 
 def _get(root: nn.Module, path: str) -> nn.Module:
     try:
@@ -106,6 +108,10 @@ class ModelHandle:
     """The 1-D device mesh whose ranks each hold a contiguous ``torch.chunk`` of the sequence
     positions at the blocks' outputs (sequence parallelism); None: a rank's block outputs cover
     its whole micro-batch."""
+    logit_transform: LogitTransform | None = None
+    """The elementwise soft-cap or scale the model applies to the head's output before its loss
+    (Gemma 2/3, Cohere, Granite, Falcon-H1; set by the adapter that reads it from the model): the
+    fused loss applies it chunk by chunk; None: the head's output is the logits."""
     engine_root: nn.Module | None = None
     """The trainer's outermost wrapper of the model once its engine has wrapped it (FSDP1's root
     ``FullyShardedDataParallel``), under which `full_weights` finds the units that hold the head

@@ -11,10 +11,12 @@ import logging
 import torch
 from torch import nn
 
+from aniso_plugins.core.causal_loss import FusedLossSum
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.steps import TargetChunks
 from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
 from aniso_plugins.methods.fused_loss.linear import gated_linear
+from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.methods.heads.lowrank import LowRankHead
 from aniso_plugins.numerics.distributed import VocabShard
@@ -47,17 +49,22 @@ class TrainingHead:
     ``module.weight`` holds inside the forward (`ModelHandle.vocab_mesh`): both forwards then
     run on the shard (`gated_linear` returns the shard's logits; the fused loss is the whole
     vocabulary's, its reductions over the shard group). backward_twice: the trainer runs the
-    backward twice (`ModelHandle.backward_runs_twice`).
+    backward twice (`ModelHandle.backward_runs_twice`). logit_transform: the soft-cap or scale the
+    model's forward applies to the head's output before its loss (`ModelHandle.logit_transform`):
+    the fused loss applies it to every logit and returns its sum as a
+    `aniso_plugins.core.causal_loss.FusedLossSum`, which the forward's own transform passes through.
     """
 
     def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int | None = None,
-                 shard: VocabShard | None = None, backward_twice: bool = False) -> None:
+                 shard: VocabShard | None = None, backward_twice: bool = False,
+                 logit_transform: LogitTransform | None = None) -> None:
         check_linear_head(module, framework_forward=True)  # the caller checked the head
         self.module = module
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
         self.shard = shard
         self.backward_twice = backward_twice
+        self.logit_transform = None if logit_transform is None or logit_transform.identity else logit_transform
         self.gated = False
         """Whether a plugin gates the weight gradient (AGG): it arms every micro-batch with gates."""
         self._own_forward = "forward" in module.__dict__
@@ -132,7 +139,7 @@ class TrainingHead:
         if fused is None:
             return gated_linear(hidden, weight, targets, gates, bias, self.ignore_index, self.shard)
         normalizer, smoothing = fused
-        return fused_linear_cross_entropy(
+        loss = fused_linear_cross_entropy(
             hidden,
             weight,
             targets,
@@ -145,7 +152,9 @@ class TrainingHead:
             label_smoothing=smoothing,
             shard=self.shard,
             backward_twice=self.backward_twice,
+            logit_transform=self.logit_transform,
         )
+        return loss if self.logit_transform is None else FusedLossSum.wrap(loss)
 
 
 LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)

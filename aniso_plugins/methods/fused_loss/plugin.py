@@ -53,6 +53,8 @@ class FusedLossPlugin(Plugin):
                                      backward_twice=model.backward_runs_twice)
             model.on_restore(installed.remove)
         installed.chunk_size = self.config.fused_chunk_size
+        transform = model.logit_transform  # the model's soft-cap or scale, applied in the fused loss
+        installed.logit_transform = None if transform is None or transform.identity else transform
         self.head = installed
         return True
 
