@@ -82,7 +82,8 @@ from measure import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-VARIANTS = ("plain", "gated_linear", "fused_ones", "fused_typical", "torch_lce", "cce_compile", "cce_triton", "liger_flce")
+VARIANTS = ("plain", "gated_linear", "fused_ones", "fused_typical", "torch_lce", "cce_compile", "cce_triton", "liger_flce",
+            "plain_softcap", "fused_softcap", "cce_softcap")
 LABELS = {
     "plain": "plain F.linear + CE",
     "gated_linear": "gated_linear + CE",
@@ -92,7 +93,12 @@ LABELS = {
     "cce_compile": "CCE torch_compile",
     "cce_triton": "CCE Triton",
     "liger_flce": "Liger FLCE",
+    "plain_softcap": "plain, soft-cap 30",
+    "fused_softcap": "fused, soft-cap 30",
+    "cce_softcap": "CCE torch_compile, soft-cap 30",
 }
+SOFTCAP = 30.0
+"""Gemma 2's ``final_logit_softcapping``: the soft-capped variants compute CE of 30·tanh(z/30)."""
 FUSED = ("fused_ones", "fused_typical")
 CCE = "cce_compile"
 GIB = 2**30
@@ -140,6 +146,12 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
     x, w, y = inp.x, inp.w, inp.y
     if variant == "plain":
         return F.cross_entropy(F.linear(x, w).float(), y)
+    if variant == "plain_softcap":
+        return F.cross_entropy(torch.tanh(F.linear(x, w).float() / SOFTCAP) * SOFTCAP, y)
+    if variant == "fused_softcap":
+        from aniso_plugins import LogitTransform
+
+        return fused_linear_cross_entropy(x, w, y, chunk_size=chunk or None, logit_transform=LogitTransform(softcap=SOFTCAP))
     if variant == "gated_linear":
         return F.cross_entropy(gated_linear(x, w, y, inp.gates).float(), y)
     if variant in FUSED:
@@ -148,11 +160,12 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
     peer = DTYPES[dtype]
     if variant == "torch_lce":
         return F.linear_cross_entropy(x.to(peer), w.to(peer), y, options=torch.nn.LinearCrossEntropyOptions())
-    if variant in ("cce_compile", "cce_triton"):
+    if variant in ("cce_compile", "cce_triton", "cce_softcap"):
         from cut_cross_entropy import linear_cross_entropy
 
-        impl = "torch_compile" if variant == "cce_compile" else "cce"
-        return linear_cross_entropy(x.to(peer), w.to(peer), y, impl=impl)
+        impl = "cce" if variant == "cce_triton" else "torch_compile"
+        return linear_cross_entropy(x.to(peer), w.to(peer), y, impl=impl,
+                                    softcap=SOFTCAP if variant == "cce_softcap" else None)
     if variant == "liger_flce":
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
@@ -174,7 +187,8 @@ def unavailable(variant: str, device: str) -> str | None:
         return "Triton GPU kernel: needs --device cuda"
     if variant == "torch_lce" and not hasattr(torch.nn, "LinearCrossEntropyOptions"):
         return f"torch {torch.__version__} has no chunked linear_cross_entropy (torch >= 2.13)"
-    module = {"cce_compile": "cut_cross_entropy", "cce_triton": "cut_cross_entropy", "liger_flce": "liger_kernel"}
+    module = {"cce_compile": "cut_cross_entropy", "cce_triton": "cut_cross_entropy", "cce_softcap": "cut_cross_entropy",
+              "liger_flce": "liger_kernel"}
     if variant in module:
         try:
             __import__(module[variant])

@@ -27,13 +27,15 @@ does). Per rank: one chunk of ``chunk_size × V/tp`` logits and dW of ``V/tp × 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
+from aniso_plugins.methods.fused_loss.workspace import PLAIN, RowTerms, VocabParallelWorkspace, Workspace, staged_logits
 from aniso_plugins.numerics.distributed import VocabShard
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
@@ -80,163 +82,6 @@ def _add_target_rows(dw: torch.Tensor, coef: torch.Tensor, X: torch.Tensor, rows
         dw.index_add_(0, ys[s : s + chunk_size], coef[s : s + chunk_size, None] * X[rows[s : s + chunk_size]].to(dw.dtype))
 
 
-STAGE_BYTES = 8 * 2**20
-"""float32 rows of one block of the bf16-logits gradient stage on the CPU (`_Workspace.gradient`)."""
-
-
-class _Workspace:
-    """The chunk buffers of one call, allocated once and reused by every chunk (views of their
-    first rows for the last, shorter chunk). On the CPU a new tensor of tens of MiB is fresh
-    pages from the OS, a cost per chunk that reuse avoids (docs/performance.md §7.3)."""
-
-    def __init__(self, rows: int, v: int, d: int, compute: torch.dtype, acc: torch.dtype, device: torch.device,
-                 dw_product: bool) -> None:
-        self.acc = acc
-        self.logits = torch.empty(rows, v, dtype=compute, device=device)
-        # On the CPU, bf16 logits go through the float32 stage in blocks of rows that stay in cache
-        self.on_cpu = device.type == "cpu"
-        staged = _staged(device, compute, acc)
-        self.block = max(1, STAGE_BYTES // (4 * v)) if staged else max(rows, 1)
-        self.stage = torch.empty(min(self.block, rows), v, dtype=acc, device=device) if staged else None
-        # Off the CPU each chunk's dW product is one (V, d) GEMM into this buffer (`addmm_in_`)
-        self.product = (torch.empty(v, d, dtype=compute, device=device)
-                        if dw_product and compute != acc and not self.on_cpu else None)
-
-    def logits_of(self, xc: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = self.logits[: xc.shape[0]]
-        return torch.mm(xc, w.T, out=out) if b is None else torch.addmm(b, xc, w.T, out=out)
-
-    def _softmax(self, z: torch.Tensor) -> torch.Tensor:
-        """softmax over the rows of `z` in the accumulation dtype: one row-local kernel (each row
-        is read while it is in cache) instead of separate max, subtract, exp, sum and divide
-        passes. On the CPU in place (in the float32 stage for bf16 logits): the aten kernel
-        writes each row after reading it (tests/test_fused_loss.py compares with float64);
-        elsewhere torch.softmax's own output."""
-        if not self.on_cpu:
-            return torch.softmax(z, 1, dtype=self.acc)
-        if self.stage is not None:
-            z = self.stage[: z.shape[0]].copy_(z)
-        return torch.ops.aten._softmax.out(z, 1, False, out=z)
-
-    def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
-                 target_grad: torch.Tensor | None, db: torch.Tensor | None,
-                 smooth: torch.Tensor | None, transform: LogitTransform | None = None) -> torch.Tensor:
-        """D·G = (softmax(z') − (1 − ε)·onehot(y) − ε/V) ⊙ dz'/dz for the logits chunk `z`, z' its
-        `transform` (z itself when None), in the GEMM dtype (in place in the logits buffer on the
-        CPU), computed in float32 block by block. Writes p_{i,y_i} into `row` (`row_losses` turns
-        it into −log p), G's target entries into `target_grad` and ε(z'_iy − mean_k z'_ik) into
-        `smooth`, adds Σ_rows G into `db` (each None: not wanted)."""
-        if transform is not None:
-            return self._transformed_gradient(z, yc, smoothing, row, target_grad, db, smooth, transform)
-        if smooth is not None:  # the smoothing part of the row loss, before the in-place softmax
-            smooth.copy_(smoothing * (z.gather(1, yc).squeeze(1).to(self.acc) - z.mean(1, dtype=self.acc)))
-        p_target = row
-        for i in range(0, z.shape[0], self.block):
-            zi, yi = z[i : i + self.block], yc[i : i + self.block]
-            g = self._softmax(zi)
-            p_target[i : i + zi.shape[0]] = g.gather(1, yi).squeeze(1)
-            if smoothing:
-                g.sub_(smoothing / zi.shape[1])
-            g.scatter_add_(1, yi, torch.full_like(yi, smoothing - 1.0, dtype=g.dtype))
-            if target_grad is not None:
-                target_grad[i : i + zi.shape[0]] = g.gather(1, yi).squeeze(1)
-            if db is not None:
-                db.add_(g.sum(0))
-            if g.dtype == z.dtype:
-                z = g  # float32 logits: the gradient is the chunk itself (one block)
-            elif self.stage is not None:
-                zi.copy_(g)
-            else:
-                return g.to(z.dtype)  # off the CPU: one block, a new tensor
-        return z
-
-    def _transformed_gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
-                              target_grad: torch.Tensor | None, db: torch.Tensor | None, smooth: torch.Tensor | None,
-                              transform: LogitTransform) -> torch.Tensor:
-        """`gradient` through `transform`, block by block in float32: z' and dz'/dz of the block,
-        the smoothing term from z', softmax(z'), then the chain rule before the target entries and
-        Σ_rows G are taken."""
-        for i in range(0, z.shape[0], self.block):
-            zi, yi = z[i : i + self.block], yc[i : i + self.block]
-            n = zi.shape[0]
-            if zi.dtype == self.acc:
-                zf = zi  # in place: the float32 chunk
-            elif self.stage is not None:
-                zf = self.stage[:n].copy_(zi)
-            else:
-                zf = zi.to(self.acc)
-            derivative = transform.apply_(zf)
-            if smooth is not None:
-                smooth[i : i + n] = smoothing * (zf.gather(1, yi).squeeze(1) - zf.mean(1))
-            g = torch.ops.aten._softmax.out(zf, 1, False, out=zf) if self.on_cpu else torch.softmax(zf, 1)
-            row[i : i + n] = g.gather(1, yi).squeeze(1)
-            if smoothing:
-                g.sub_(smoothing / zf.shape[1])
-            g.scatter_add_(1, yi, torch.full_like(yi, smoothing - 1.0, dtype=g.dtype))
-            transform.chain_(g, derivative)
-            if target_grad is not None:
-                target_grad[i : i + n] = g.gather(1, yi).squeeze(1)
-            if db is not None:
-                db.add_(g.sum(0))
-            if g is not zi:
-                zi.copy_(g)
-        return z
-
-
-class _VocabParallelWorkspace(_Workspace):
-    """`_Workspace` for a vocabulary shard (tensor parallelism, loss parallel): each chunk's
-    softmax over all V ids from this rank's logits of its ids, with two all-reduces of a few
-    values per row over the shard group (the row maxima; then the sums of exp, the target
-    logits and the logit sums), as Megatron-LM's vocabulary-parallel cross-entropy does for
-    whole logits. The row losses log Σ exp − z_y come out of the same sums: no recomputation."""
-
-    def __init__(self, rows: int, v: int, d: int, compute: torch.dtype, acc: torch.dtype, device: torch.device,
-                 dw_product: bool, shard: VocabShard) -> None:
-        super().__init__(rows, v, d, compute, acc, device, dw_product)
-        self.shard = shard
-        self.stage = None  # the float32 chunk below replaces the few-row stage
-        self.work = torch.empty(rows, v, dtype=acc, device=device) if compute != acc else None
-
-    def gradient(self, z: torch.Tensor, yc: torch.Tensor, smoothing: float, row: torch.Tensor,
-                 target_grad: torch.Tensor | None, db: torch.Tensor | None,
-                 smooth: torch.Tensor | None, transform: LogitTransform | None = None) -> torch.Tensor:
-        """`_Workspace.gradient` over the shard's columns of G; writes −log p_{i,y_i} into `row`
-        (identical on every shard) and G's target entries only where this shard holds y_i."""
-        shard, group = self.shard, self.shard.group
-        g = z if z.dtype == self.acc else self.work[: z.shape[0]].copy_(z)
-        derivative = None if transform is None else transform.apply_(g)  # z' of the shard's columns
-        y = yc.squeeze(1)
-        owned = shard.owned(y)
-        local = torch.where(owned, y - shard.start, 0)[:, None]
-        peak = g.amax(1)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        g.sub_(peak[:, None])
-        sums = torch.stack([torch.zeros_like(peak), torch.where(owned, g.gather(1, local).squeeze(1), 0.0), g.sum(1)])
-        g.exp_()
-        sums[0] = g.sum(1)
-        dist.all_reduce(sums, group=group)  # Σ_k exp(z_k − m), z_y − m, Σ_k (z_k − m) over all V
-        row.copy_(sums[0].log() - sums[1])
-        if smooth is not None:  # ε(z_y − mean_k z_k): the shift by m cancels
-            smooth.copy_(smoothing * (sums[1] - sums[2] / shard.total))
-        g.div_(sums[0][:, None])
-        if smoothing:
-            g.sub_(smoothing / shard.total)
-        g.scatter_add_(1, local, torch.where(owned, g.new_tensor(smoothing - 1.0), g.new_tensor(0.0))[:, None])  # in g's dtype
-        if transform is not None:
-            transform.chain_(g, derivative)
-        if target_grad is not None:
-            target_grad.copy_(torch.where(owned, g.gather(1, local).squeeze(1), 0.0))
-        if db is not None:
-            db.add_(g.sum(0))
-        return g if g is z else z.copy_(g)
-
-
-def _staged(device: torch.device, compute: torch.dtype, acc: torch.dtype) -> bool:
-    """Whether the logits chunk stays in the narrower GEMM dtype, with a float32 stage of a few
-    rows (`_Workspace`): bf16 logits on the CPU."""
-    return device.type == "cpu" and compute != acc
-
-
 def _is_one(scale: float | torch.Tensor) -> bool:
     return isinstance(scale, float) and scale == 1.0
 
@@ -263,72 +108,142 @@ def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys:
     return nll
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, smoothing, dtypes, grad_enabled,
-                shard, backward_twice, transform):
-        compute, acc, _ = dtypes
-        v, d = weight.shape
-        want_dx, want_dw, want_db = (grad_enabled and need for need in ctx.needs_input_grad[:3])
-        with torch.autocast(hidden.device.type, enabled=False):
-            X = hidden.reshape(-1, d)
-            y = targets.reshape(-1)
-            rows, split, rg = _row_order(y, y != ignore_index, gates, acc, shard)
-            n = rows.numel()
-            ys = y[rows]
-            w = weight.to(compute)
-            b = None if bias is None else bias.to(compute)
-            dx, dw, db = (torch.zeros(shape, dtype=dtype, device=X.device) if want else None for want, shape, dtype in
-                          ((want_dx, X.shape, hidden.dtype), (want_dw, (v, d), acc), (want_db, (v,), acc)))
-            tv = torch.empty(n, dtype=acc, device=X.device) if gates is not None and want_dw else None
-            row = torch.empty(n, dtype=acc, device=X.device)  # p_{i,y_i}; −log p_{i,y_i} for a shard
-            smooth = torch.empty(n, dtype=acc, device=X.device) if smoothing else None
-            bounds = [(s, min(s + chunk_size, split)) for s in range(0, split, chunk_size)]
-            bounds += [(s, min(s + chunk_size, n)) for s in range(split, n, chunk_size)]
-            base_scaled = gates is None
-            shape = (max((e - s for s, e in bounds), default=0), v, d, compute, acc, X.device, want_dw)
-            space = _Workspace(*shape) if shard is None else _VocabParallelWorkspace(*shape, shard)
-            if gates is not None:  # the 1/D goes into the gate multiplies, which touch dW and G_c anyway
-                base_gate, other_gate = _scaled(rg.base, scale), _scaled(rg.other, scale)
-            for s, e in bounds:
-                if want_dw and not base_scaled and s >= split:
-                    dw.mul_(base_gate[:, None])
-                    base_scaled = True
-                xc = X[rows[s:e]].to(compute)  # the chunk's rows only: no (N, d) copy of X
-                yc = ys[s:e, None]
-                z = space.logits_of(xc, w, b)
-                # D·G_c, the chunk's logit gradient before the 1/D: that goes on the (rows, d) and
-                # V-sized results, not on the chunk
-                zc = space.gradient(z, yc, smoothing, row[s:e], None if tv is None else tv[s:e], db,
-                                    None if smooth is None else smooth[s:e], transform)
-                if want_dx:
-                    dx[rows[s:e]] = _scaled(torch.mm(zc, w).to(hidden.dtype), scale)
-                if want_dw:
-                    gate = other_gate if gates is not None and s >= split else None
-                    if gate is not None and zc.dtype == acc:
-                        zc.mul_(gate)  # G ⊙ gate: the float32 chunk itself
-                        gate = None
-                    addmm_in_(dw, zc.T, xc, compute, space.product, gate)  # in bf16, diag(gate)·GᵀX
-            space = z = zc = None  # free the chunk buffers before the row losses
-            if db is not None:
-                db = _scaled(db, scale)
-            nll = row if shard is not None else _row_losses(row, X, rows, ys, w, b, compute, chunk_size, transform)
-            loss = (nll if smooth is None else nll + smooth).sum() * scale
-            if want_dw and gates is not None:
-                if not base_scaled:
-                    dw.mul_(base_gate[:, None])
-                _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, scale), X, rows, rg.target_index[rows], chunk_size)
-            elif want_dw and not _is_one(scale):
-                dw.mul_(scale)
+
+class _Options(NamedTuple):
+    """One call's settings, as `fused_linear_cross_entropy` checked them."""
+
+    ignore_index: int
+    scale: float | torch.Tensor
+    chunk_size: int
+    smoothing: float
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
+    shard: VocabShard | None
+    transform: LogitTransform | None
+    token_weights: torch.Tensor | None  # flat (N,)
+    class_weights: torch.Tensor | None  # (V,)
+    z_loss: float
+
+    def terms(self, rows: torch.Tensor, ys: torch.Tensor, acc: torch.dtype) -> RowTerms:
+        """The `RowTerms` of the ordered `rows` (targets `ys`)."""
+        if self.token_weights is None and self.class_weights is None and not self.z_loss:
+            return PLAIN
+        t = None if self.token_weights is None else self.token_weights[rows].to(acc)
+        c = None if self.class_weights is None else self.class_weights.to(acc)
+        return RowTerms(t, None if c is None else c[ys], c, 0.0 if c is None else float(c.sum()), float(self.z_loss))
+
+
+class _Pass(NamedTuple):
+    """What one pass over the chunks computed: the ordered valid `rows`, their `losses`
+    t_i·[a_i·(−log p_{i,y_i}) + s_i + λ·lse_i²] (before the 1/D), their z-loss parts t_i·λ·lse_i²
+    (None without z-loss), and the gradients (dX, dW, db), already times the 1/D (None: not wanted)."""
+
+    rows: torch.Tensor
+    losses: torch.Tensor
+    z_losses: torch.Tensor | None
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                gates: RowGates | None, o: _Options, wants: tuple[bool, bool, bool]) -> _Pass:
+    """The row losses and, where `wants` says, the gradients of the fused loss: one pass over the
+    chunks of valid rows (the module docstring), outside autocast (the dtypes are `o.dtypes`)."""
+    compute, acc, _ = o.dtypes
+    v, d = weight.shape
+    want_dx, want_dw, want_db = wants
+    with torch.autocast(hidden.device.type, enabled=False):
+        X = hidden.reshape(-1, d)
+        y = targets.reshape(-1)
+        rows, split, rg = _row_order(y, y != o.ignore_index, gates, acc, o.shard)
+        n = rows.numel()
+        ys = y[rows]
+        terms = o.terms(rows, ys, acc)
+        w = weight.to(compute)
+        b = None if bias is None else bias.to(compute)
+        dx, dw, db = (torch.zeros(shape, dtype=dtype, device=X.device) if want else None for want, shape, dtype in
+                      ((want_dx, X.shape, hidden.dtype), (want_dw, (v, d), acc), (want_db, (v,), acc)))
+        tv, row, smooth, z_rows = (torch.empty(n, dtype=acc, device=X.device) if want else None for want in
+                                   (gates is not None and want_dw, True, bool(o.smoothing), bool(o.z_loss)))
+        chunks = [(s, min(s + o.chunk_size, split)) for s in range(0, split, o.chunk_size)]
+        chunks += [(s, min(s + o.chunk_size, n)) for s in range(split, n, o.chunk_size)]
+        shape = (max((e - s for s, e in chunks), default=0), v, d, compute, acc, X.device, want_dw)
+        space = Workspace(*shape) if o.shard is None else VocabParallelWorkspace(*shape, o.shard)
+        gated = None if gates is None else (_scaled(rg.base, o.scale), _scaled(rg.other, o.scale))
+        base_scaled = gated is None
+        for s, e in chunks:
+            if want_dw and not base_scaled and s >= split:
+                dw.mul_(gated[0][:, None])
+                base_scaled = True
+            xc = X[rows[s:e]].to(compute)  # the chunk's rows only: no (N, d) copy of X
+            # D·G_c, the chunk's logit gradient before the 1/D: that goes on the (rows, d) and
+            # V-sized results, not on the chunk
+            zc = space.gradient(space.logits_of(xc, w, b), ys[s:e, None], o.smoothing, row[s:e],
+                                _part(tv, s, e), db, _part(smooth, s, e), o.transform, terms.chunk(s, e), _part(z_rows, s, e))
             if want_dx:
-                dx = dx.reshape(hidden.shape)
+                dx[rows[s:e]] = _scaled(torch.mm(zc, w).to(hidden.dtype), o.scale)
+            if want_dw:
+                _add_chunk_weight_gradient(dw, zc, xc, compute, acc, space.product,
+                                           gated[1] if gated is not None and s >= split else None)
+        space = zc = None  # free the chunk buffers before the row losses
+        nll = row if o.shard is not None else _row_losses(row, X, rows, ys, w, b, compute, o.chunk_size, o.transform)
+        losses, z_losses = _combine_row_losses(nll, smooth, z_rows, terms, o.smoothing, v)
+        if want_dw and gates is not None:
+            if not base_scaled:
+                dw.mul_(gated[0][:, None])
+            _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, o.scale), X, rows, rg.target_index[rows], o.chunk_size)
+        elif want_dw and not _is_one(o.scale):
+            dw.mul_(o.scale)
+    return _Pass(rows, losses, z_losses, (dx if dx is None else dx.reshape(hidden.shape), dw, _scaled_or_none(db, o.scale)))
+
+
+def _part(t: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
+    return None if t is None else t[s:e]
+
+
+def _scaled_or_none(t: torch.Tensor | None, scale: float | torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else _scaled(t, scale)
+
+
+def _add_chunk_weight_gradient(dw: torch.Tensor, zc: torch.Tensor, xc: torch.Tensor, compute: torch.dtype,
+                               acc: torch.dtype, product: torch.Tensor | None, gate: torch.Tensor | None) -> None:
+    """dW += (G_c ⊙ gate)ᵀ X_c, the gate (the smaller row group's, or None) on the float32 chunk
+    itself or, in bf16, on the rounded product (`addmm_in_`)."""
+    if gate is not None and zc.dtype == acc:
+        zc.mul_(gate)
+        gate = None
+    addmm_in_(dw, zc.T, xc, compute, product, gate)
+
+
+def _combine_row_losses(nll: torch.Tensor, smooth: torch.Tensor | None, z_rows: torch.Tensor | None, terms: RowTerms,
+                        smoothing: float, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's loss t_i·[a_i·nll_i + s_i + λ·lse_i²] and its z-loss part t_i·λ·lse_i² (`RowTerms`)."""
+    a = terms.probability_factor(smoothing, vocab)
+    losses = nll if isinstance(a, float) and a == 1.0 else nll * a
+    for part in (smooth, z_rows):
+        if part is not None:
+            losses = losses + part
+    if terms.token is not None:
+        losses = losses * terms.token
+        z_rows = None if z_rows is None else z_rows * terms.token
+    return losses, z_rows
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """The scalar losses (mean / sum): the gradients computed in the forward pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, gates, options, grad_enabled, backward_twice):
+        wants = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])
+        done = _fused_pass(hidden, weight, bias, targets, gates, options, wants)
+        dx, dw, db = done.grads
         ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
         ctx.scaled_by, ctx.backward_twice = None, backward_twice
-        return loss
+        z_loss = torch.zeros((), dtype=done.losses.dtype) if done.z_losses is None else done.z_losses.sum() * options.scale
+        ctx.mark_non_differentiable(z_loss)
+        return done.losses.sum() * options.scale, z_loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, _z_grad):
         """The gradients computed in forward, scaled by `grad` in place. Handed over once (no
         reference kept, so autograd takes them without a copy), or with ``backward_twice`` kept
         for a second backward through the retained graph with the same `grad` (zero-bubble
@@ -348,18 +263,85 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 f"({float(grad)} after {float(ctx.scaled_by)}); the gradients are computed in forward and scaled once"
             )
         ctx.grads = grads if ctx.backward_twice else None
-        return (*grads, None, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
-def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer) -> float | torch.Tensor:
-    """1 / D of `fused_linear_cross_entropy`'s loss."""
+class _PerTokenLinearCrossEntropy(torch.autograd.Function):
+    """``reduction="none"``: each position's loss (0 where ignored); the backward pass runs the
+    chunks again with the incoming per-position gradient as token weights (one more logits GEMM
+    per chunk, as PyTorch's own chunked op does for 'none')."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, gates, options):
+        done = _fused_pass(hidden, weight, bias, targets, gates, options, (False, False, False))
+        out = torch.zeros(targets.numel(), dtype=options.dtypes[2], device=hidden.device)
+        out[done.rows] = done.losses.to(out.dtype)
+        z = torch.zeros_like(out)
+        if done.z_losses is not None:
+            z[done.rows] = done.z_losses.to(z.dtype)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.gates, ctx.options = gates, options
+        z = z.reshape(targets.shape)
+        ctx.mark_non_differentiable(z)
+        return out.reshape(targets.shape), z
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _z_grad):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        o = ctx.options
+        upstream = grad.reshape(-1)
+        token = upstream if o.token_weights is None else upstream * o.token_weights
+        done = _fused_pass(hidden, weight, bias, targets, ctx.gates, o._replace(token_weights=token), ctx.needs_input_grad[:3])
+        dx, dw, db = done.grads
+        return dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None, None, None
+
+
+def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer,
+                class_weights: torch.Tensor | None) -> float | torch.Tensor:
+    """1 / D of `fused_linear_cross_entropy`'s loss (1 for ``reduction="none"``)."""
+    if normalizer is not None and reduction != "sum":
+        raise ValueError(f"normalizer: only used with reduction='sum' (reduction={reduction!r})")
     if reduction == "mean":
-        if normalizer is not None:
-            raise ValueError("normalizer: only used with reduction='sum' (mean divides by the non-ignored targets)")
-        return 1.0 / max(int((targets != ignore_index).sum()), 1)
-    if reduction == "sum":
+        valid = targets != ignore_index
+        if class_weights is None:
+            return 1.0 / max(int(valid.sum()), 1)
+        total = class_weights[torch.where(valid, targets, 0)][valid].sum()  # Σ c_{y_i}, as F.cross_entropy
+        return 1.0 / float(total) if float(total) != 0 else 1.0
+    if reduction in ("sum", "none"):
         return 1.0 if normalizer is None else 1.0 / normalizer
-    raise ValueError(f"reduction={reduction!r}: expected 'mean' or 'sum'")
+    raise ValueError(f"reduction={reduction!r}: expected 'mean', 'sum' or 'none'")
+
+
+def _chunk_rows(chunk_size: int | None, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], shard: VocabShard | None, label_smoothing: float) -> int:
+    """The rows per chunk (`default_chunk_rows` when None), after checking it and `label_smoothing`."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
+    if chunk_size is None:
+        staged = shard is None and staged_logits(hidden.device, dtypes[0], dtypes[1])
+        return default_chunk_rows(weight.shape[0], targets.numel(), dtypes[0].itemsize if staged else 4)
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk) or None (the default)")
+    return chunk_size
+
+
+def _checked_weights(token_weights: torch.Tensor | None, class_weights: torch.Tensor | None, z_loss: float,
+                     targets: torch.Tensor, vocab: int, shard: VocabShard | None, device: torch.device):
+    """`token_weights` flattened and `class_weights` on `device`, detached, after the checks."""
+    where = "fused_linear_cross_entropy"
+    if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not z_loss >= 0.0 or z_loss == float("inf"):
+        raise ValueError(f"{where}: z_loss={z_loss!r}: expected a finite number >= 0 (PaLM uses 1e-4)")
+    if shard is not None and (token_weights is not None or class_weights is not None or z_loss):
+        raise ValueError(f"{where}: token_weights, class_weights and z_loss are not supported with a vocabulary "
+                         "shard (tensor-parallel loss); leave them unset there")
+    for name, t, shape in (("token_weights", token_weights, tuple(targets.shape)), ("class_weights", class_weights, (vocab,))):
+        if t is not None and (not t.dtype.is_floating_point or tuple(t.shape) != shape):
+            raise ValueError(f"{where}: {name} must be a floating-point tensor of shape {shape} (like "
+                             f"{'the targets' if name == 'token_weights' else 'the vocabulary'}), got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    token = None if token_weights is None else token_weights.detach().reshape(-1).to(device)
+    return token, None if class_weights is None else class_weights.detach().to(device)
 
 
 def fused_linear_cross_entropy(
@@ -374,51 +356,51 @@ def fused_linear_cross_entropy(
     normalizer: float | torch.Tensor | None = None,
     chunk_size: int | None = None,
     label_smoothing: float = 0.0,
+    token_weights: torch.Tensor | None = None,
+    class_weights: torch.Tensor | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
     shard: VocabShard | None = None,
     backward_twice: bool = False,
     logit_transform: LogitTransform | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
 
-        loss = Σ_{i: y_i ≠ ignore} (logsumexp(z_i) − (1 − ε) z_{i,y_i} − ε mean_k z_ik) / D,   z_i = T(W h_i + b),
+        loss = Σ_{i: y_i ≠ ignore} t_i·[(1 − ε) c_{y_i}(lse_i − z_{i,y_i}) + (ε/V) Σ_k c_k (lse_i − z_ik) + λ·lse_i²] / D,
+        z_i = T(W h_i + b),   lse_i = logsumexp(z_i),
 
     T = `logit_transform` (a soft-cap or scale, `LogitTransform`, dT/dz in every gradient; None:
-    the identity), ε = `label_smoothing` (as ``F.cross_entropy(label_smoothing=ε)`` and
-    transformers' ``LabelSmoother``: (1 − ε)·CE + ε·mean_k(−log p_ik) per row), D = the number of non-ignored targets (``reduction="mean"``, as ``F.cross_entropy``; 0 loss
-    and 0 gradients when there is none) or `normalizer` (``reduction="sum"``; 1 if None; pass
-    torchtitan's ``global_valid_tokens`` here). Gradients: plain CE for `hidden` and `bias`;
-    for `weight` the gated ``(G ⊙ Γ)ᵀ X`` of `row_gates` (AGG's: docs/methods.md §1.5), as
-    `aniso_plugins.gated_linear`, or the plain one when `row_gates` is None (an ordinary fused
-    linear CE).
+    the identity); ε = `label_smoothing`, c = `class_weights` (V,) and the reductions as
+    ``F.cross_entropy(weight=c, label_smoothing=ε)`` (c ≡ 1 when None); t = `token_weights`
+    (targets' shape; constants that scale each row's loss and gradient; 1 when None); λ = `z_loss`
+    (PaLM's auxiliary loss, 1e-4 there). D: ``reduction="mean"`` the non-ignored targets' Σ c_{y_i}
+    (their number without class weights; 0 loss and gradients when there is none; token weights
+    do not change D), ``"sum"`` `normalizer` (1 if None; torchtitan's ``global_valid_tokens``),
+    ``"none"`` 1: each position's loss, 0 where ignored (its backward runs the chunks again).
+    `return_z_loss`: also return the z-loss part (detached, for logging; already in the loss).
+    Gradients: for `hidden` and `bias` those of the loss; for `weight` the gated
+    ``(G ⊙ Γ)ᵀ X`` of `row_gates` (AGG's: docs/methods.md §1.5), as `aniso_plugins.gated_linear`, or
+    the plain one when `row_gates` is None.
 
-    Peak extra memory: one logits chunk (`chunk_size` × V; `chunk_size` None: the rows of
-    `default_chunk_rows`, at most 512 MiB) and its temporaries beyond the gradients dW (V × d,
-    in at least float32) and dX; never N × V, and no (N, d) copy of `hidden`. The gradients are
-    computed in the forward (skipped when grad mode is off, e.g. validation), so the backward may
-    run once; `backward_twice`: a second one (retained graph) gets them again, for one more dX +
-    dW. Under autocast all three GEMMs (logits, dX, dW) take autocast-dtype operands, as autograd's; the softmax, the loss and dW are float32 (on the CPU the bf16 logits chunk
-    goes through a float32 stage of a few rows; elsewhere through a float32 copy), and each
-    chunk's dW product, rounded to the autocast dtype, is added into dW (on the CPU in blocks of
-    rows, elsewhere through one V × d buffer: `aniso_plugins.methods.fused_loss.gemm.addmm_in_`).
-    `weight`: the full (V, d) tensor (under FSDP2 where the head is unsharded), or with `shard` a
-    vocabulary shard of it (see the module docstring)."""
+    Peak extra memory: one logits chunk (`chunk_size` × V; None: `default_chunk_rows`) beyond the
+    gradients dW (V × d, at least float32) and dX; never N × V. The gradients of a mean or sum are
+    computed in the forward (skipped when grad mode is off), so the backward may run once;
+    `backward_twice`: a second one (retained graph) gets them again. Under autocast the three GEMMs
+    take autocast-dtype operands, as autograd's; softmax, loss and dW are float32 (docs/performance.md
+    §7.3). `weight`: the full (V, d) tensor, or with `shard` a vocabulary shard (module docstring)."""
     check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy", shard)
     dtypes = compute_dtypes(hidden, weight)
-    if chunk_size is None:
-        compute, acc, _ = dtypes
-        staged = shard is None and _staged(hidden.device, compute, acc)
-        chunk_size = default_chunk_rows(weight.shape[0], targets.numel(), compute.itemsize if staged else 4)
-    elif not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(
-            f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk) or None (the default)"
-        )
-    scale = _loss_scale(targets, ignore_index, reduction, normalizer)
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
-    gates = None if row_gates is None else row_gates.to(weight.device)
+    chunk_size = _chunk_rows(chunk_size, hidden, weight, targets, dtypes, shard, label_smoothing)
+    token, classes = _checked_weights(token_weights, class_weights, z_loss, targets, weight.shape[0], shard, hidden.device)
     targets = index_targets(targets, hidden.device)
-    return _FusedLinearCrossEntropy.apply(
-        hidden, weight, bias, targets, gates, ignore_index, scale, chunk_size, float(label_smoothing), dtypes,
-        torch.is_grad_enabled(), shard, backward_twice, None if logit_transform is None or logit_transform.identity
-        else logit_transform,
-    )
+    scale = _loss_scale(targets, ignore_index, reduction, normalizer, classes)
+    transform = None if logit_transform is None or logit_transform.identity else logit_transform
+    options = _Options(ignore_index, scale, chunk_size, float(label_smoothing), dtypes, shard, transform, token, classes,
+                       float(z_loss))
+    gates = None if row_gates is None else row_gates.to(weight.device)
+    if reduction == "none":
+        loss, z_part = _PerTokenLinearCrossEntropy.apply(hidden, weight, bias, targets, gates, options)
+    else:
+        loss, z_part = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, gates, options,
+                                                      torch.is_grad_enabled(), backward_twice)
+    return (loss, z_part) if return_z_loss else loss
