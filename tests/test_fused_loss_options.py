@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from aniso_plugins import LogitTransform, RowGates, fused_linear_cross_entropy, gated_linear
+from aniso_plugins.methods.fused_loss import workspace
 from aniso_plugins.numerics.distributed import VocabShard
 
 V, D = 13, 6
@@ -104,7 +105,10 @@ def test_reduction_none_equals_f_cross_entropy_per_position_with_any_upstream_gr
         _close(a, r)
 
 
-def test_every_option_at_once_through_a_soft_cap():
+@pytest.mark.parametrize("block_rows", [None, 2])
+def test_every_option_at_once_through_a_soft_cap(block_rows, monkeypatch):
+    if block_rows:  # the CPU's row blocks of the logit gradient: 2 rows each instead of the whole chunk
+        monkeypatch.setattr(workspace, "STAGE_BYTES", 8 * V * block_rows)
     h, w, b, y, g = _inputs(4)
     h = (h.detach() * 3).requires_grad_()  # logits beyond the cap's linear range
     c = torch.rand(V, dtype=torch.float64, generator=g) + 0.5

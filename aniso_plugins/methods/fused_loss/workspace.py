@@ -133,9 +133,11 @@ class Workspace:
                           transform: LogitTransform | None, terms: RowTerms, z_rows: torch.Tensor | None) -> torch.Tensor:
         """`gradient` through `transform` and with `terms`, block by block in float32: z' and dz'/dz
         of the block, its smoothing and z-loss parts, softmax(z'), the row factors, then the chain
-        rule before the target entries and Σ_rows G are taken."""
-        for i in range(0, z.shape[0], self.block):
-            zi, yi = z[i : i + self.block], yc[i : i + self.block]
+        rule before the target entries and Σ_rows G are taken. On the CPU in blocks of at most
+        `STAGE_BYTES` of float32 rows: dz'/dz and the row temporaries are that small, not a chunk."""
+        step = min(self.block, max(1, STAGE_BYTES // (4 * z.shape[1]))) if self.on_cpu else self.block
+        for i in range(0, z.shape[0], step):
+            zi, yi = z[i : i + step], yc[i : i + step]
             n = zi.shape[0]
             if zi.dtype == self.acc:
                 zf = zi  # in place: the float32 chunk
