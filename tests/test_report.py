@@ -390,24 +390,6 @@ def test_bad_arguments_and_output_locations_fail_before_any_work(zoo, tmp_path, 
     assert (tmp_path / "other" / "notes.txt").read_text() == "keep me" and not (tmp_path / "o").exists()
 
 
-def test_plots_without_matplotlib_are_refused_up_front(zoo, tmp_path):
-    blocker = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'matplotlib' or name.startswith('matplotlib.'):\n"
-        "            raise ImportError('blocked')\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "from aniso_plugins.offline.cli import main\n"
-        "sys.exit(main(sys.argv[1:]))\n"
-    )
-    out = tmp_path / "o"
-    p = subprocess.run([sys.executable, "-c", blocker, "report", str(zoo / "gpt2"), "--out", str(out), "--quiet"],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and "plots need matplotlib" in p.stderr and "--no-plots" in p.stderr, p.stderr
-    assert not out.exists()
-
-
 def test_a_reused_out_is_replaced_whole_and_an_interrupted_write_leaves_nothing(zoo, tmp_path, monkeypatch):
     from aniso_plugins.offline import cli
 

@@ -22,20 +22,33 @@ from typing import Any
 
 from aniso_plugins.core.version import __version__
 from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.output import watch_commits
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
 
+EXAMPLES = """examples:
+  aniso report runs/agg/checkpoint-500 --text-file valid.txt --out agg_report
+      one checkpoint with a text: report.json, report.md and the plots in ./agg_report
+  aniso report runs/mle runs/agg --counts-file train.txt --text-file valid.txt --no-plots
+      two models side by side, frequency groups from the training text, no matplotlib needed
+
+docs/report.md describes every input, number and file."""
+"""The usage examples under ``aniso --help`` and ``aniso report --help``."""
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="aniso", description="Measure the embedding anisotropy of language models.")
+    p = argparse.ArgumentParser(prog="aniso", description="Measure the embedding anisotropy of language models.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"aniso {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     r = sub.add_parser(
         "report",
         help="geometry report of one or several models (JSON, Markdown, PNG plots)",
         description="Geometry report of one or several models, side by side: report.json, report.md and PNG plots.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     r.add_argument("models", nargs="+", metavar="MODEL",
                    help="a local Hugging Face model directory (or checkpoint-N), a safetensors file, a Lightning "
@@ -125,15 +138,32 @@ class _CtrlC:
             raise KeyboardInterrupt
 
 
+def _interrupted(command: str, committed: list) -> int:
+    """The exit code of a Ctrl-C: 130, or 0 once the command's output folder has been renamed
+    into place (it holds the new, complete output whatever the Ctrl-C stopped after that)."""
+    name = f"aniso{' ' + command if command else ''}"
+    if committed:
+        print(f"{name}: interrupted after {committed[-1]} was written in full; it holds the new output", file=sys.stderr)
+        return 0
+    print(f"{name}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the subcommand; every failure and a Ctrl-C at any point, torch's import
-    included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted)."""
+    included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted before the
+    output was committed, 0 after). No command: the help on stderr, exit 2."""
     ctrl_c = _CtrlC()
-    with ctrl_c.installed():
+    with ctrl_c.installed(), watch_commits() as committed:
         words = sys.argv[1:] if argv is None else argv
         command = next((w for w in words if not w.startswith("-")), "")  # for the message before parsing ends
         try:
-            args = _parser().parse_args(argv)  # a Ctrl-C here too is the one line
+            parser = _parser()  # a Ctrl-C here too is the one line
+            args = parser.parse_args(argv)
+            if args.command is None:
+                parser.print_help(sys.stderr)
+                print("\naniso: error: a command is required (report or postprocess)", file=sys.stderr)
+                return EXIT_USAGE
             command = args.command
             with ctrl_c.held():
                 from aniso_plugins.offline.commands import COMMANDS  # torch loads here
@@ -141,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             return COMMANDS[args.command](args)
         except (KeyboardInterrupt, Exception) as e:
             if isinstance(e, KeyboardInterrupt) or ctrl_c.seen:
-                print(f"aniso{' ' + command if command else ''}: interrupted", file=sys.stderr)
-                return EXIT_INTERRUPTED
+                return _interrupted(command, committed)
             if isinstance(e, ReportError):
                 print(f"aniso {command}: error: {e}", file=sys.stderr)
                 return EXIT_USAGE

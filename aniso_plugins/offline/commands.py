@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.output import check_output_dir
-from aniso_plugins.offline.render import require_matplotlib
+from aniso_plugins.offline.render import MATPLOTLIB_HINT, has_matplotlib
 from aniso_plugins.offline.report import MatrixOptions, TextOptions, analyze, check_counts
 from aniso_plugins.offline.sentences import fit_sentence_transform
 
@@ -22,8 +22,6 @@ def check_report_args(a: argparse.Namespace) -> None:
     """Every argument and the output location, before any model is read (exit 2 on a bad one)."""
     check_counts(max_tokens=a.max_tokens, gram_rows=a.gram_rows)
     check_output_dir(a.out)
-    if not a.no_plots:
-        require_matplotlib()
     for path, what in ((a.text_file, "text file"), (a.counts_file, "counts file")):
         if path is not None and not os.path.isfile(path):
             raise ReportError(f"cannot read the {what} {path}: no such file")
@@ -47,8 +45,21 @@ def warnings_on_stderr(command: str) -> Iterator[None]:
         package.removeHandler(handler)
 
 
+def plots_wanted(a: argparse.Namespace) -> bool:
+    """Whether to draw the plots: not with --no-plots, nor without matplotlib (then one warning:
+    report.json and report.md are written all the same)."""
+    if a.no_plots:
+        return False
+    if has_matplotlib():
+        return True
+    print(f"aniso report: warning: matplotlib is not installed, so the report has no plots ({MATPLOTLIB_HINT}; "
+          "--no-plots skips them without this warning)", file=sys.stderr)
+    return False
+
+
 def report(a: argparse.Namespace) -> int:
     check_report_args(a)
+    plots = plots_wanted(a)
     post = [x for x in (a.postprocess or "").split(",") if x.strip()]
     text = TextOptions(text_file=a.text_file, max_tokens=a.max_tokens, counts_file=a.counts_file)
     matrices = MatrixOptions(tensor=a.tensor, embedding=a.embedding, head=a.head, gram_rows=a.gram_rows)
@@ -57,7 +68,7 @@ def report(a: argparse.Namespace) -> int:
     for m in report.models:
         if m.get("text", {}).get("warning"):
             print(f"aniso report: warning: {m['name']}: {m['text']['warning']}", file=sys.stderr)
-    paths = report.write(a.out, plots=not a.no_plots)
+    paths = report.write(a.out, plots=plots)
     if a.json:
         sys.stdout.write(report.to_json() + "\n")
     if not a.quiet:
@@ -79,4 +90,4 @@ def postprocess(a: argparse.Namespace) -> int:
 COMMANDS = {"report": report, "postprocess": postprocess}
 """Subcommand -> its function (argparse namespace -> exit code)."""
 
-__all__ = ["COMMANDS", "check_report_args", "postprocess", "report", "warnings_on_stderr"]
+__all__ = ["COMMANDS", "check_report_args", "plots_wanted", "postprocess", "report", "warnings_on_stderr"]

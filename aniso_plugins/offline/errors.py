@@ -16,4 +16,9 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-__all__ = ["ReportError", "one_line"]
+def install_hint(extra: str) -> str:
+    """How to add the package's extra `extra` today: from a clone (it is not on PyPI)."""
+    return f'in a clone of aniso-plugins: pip install -e ".[{extra}]"'
+
+
+__all__ = ["ReportError", "install_hint", "one_line"]

@@ -10,13 +10,43 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aniso_plugins.metrics.frequency.groups import GROUPS, UNSEEN
-from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.errors import ReportError, install_hint
 
 if TYPE_CHECKING:
     from aniso_plugins.offline.report import Report
 
 PROJECTION_POINTS = 20000
 """Points drawn in the 2-D projection plot (all rows are projected; at most this many drawn)."""
+
+PLOTS = {
+    "spectrum.png": (
+        "Singular values of each matrix, normalised (σ_i / σ_1, raw rows)",
+        "x: the index i of a singular value, largest first; y: σ_i / σ_1 on a log scale. A curve that drops fast: "
+        "few directions carry the rows (low effective rank, degenerate)."),
+    "cosines.png": (
+        "Pairwise cosines of sampled rows: raw, centred, after each post-processing",
+        "x: cos(w_i, w_j) of two of the 2000 sampled rows; y: density. Mass right of 0 in the raw panel: the rows "
+        "share a direction (a cone, anisotropy); centred near 0: only a common offset."),
+    "projection.png": (
+        "Rows projected on their top two singular directions",
+        "x, y: each row's coordinates ⟨w, u_1⟩, ⟨w, u_2⟩ along the matrix's first and second right singular "
+        "vectors; colours, with a text: the token's frequency group. Rare tokens in a region of their own: the "
+        "drift that AGG counters."),
+    "layers.png": (
+        "Hidden-state anisotropy per block",
+        "x: the transformer block (0: the first block's output); y: mean cosine between sampled token "
+        "occurrences of the text. Near 0: isotropic; toward 1: every hidden state points the same way."),
+    "norm_frequency.png": (
+        "Row norm against the token's frequency in the text",
+        "x: the token's count in the text + 1, log scale; y: its row norm ‖w_i‖. A trend: the norms encode "
+        "frequency."),
+    "under_trained.png": (
+        "Under-trained token indicator: histogram per model",
+        "x: the score (cosine to the mean of the known-unused rows, dashed line: the threshold, suspected at or "
+        "above it) or, with no known-unused token, the input-norm z-score (no threshold); y: tokens per bin, "
+        "log scale."),
+}
+"""File name -> (title, what its axes show): the title is drawn on the picture, both go under it in report.md."""
 
 
 _ROWS = (
@@ -140,6 +170,39 @@ def _sentences_markdown(report: Report) -> list[str]:
     return md
 
 
+def _under_trained_intro(u: dict) -> str:
+    """The sentence above a model's table: the indicator, the reference tokens and the
+    threshold, or why there is none (no known-unused token: the candidates ranked by norm)."""
+    ref = u["reference"]
+    if u.get("suspected") is None:
+        return (f"Indicator: {u['indicator']}. No threshold, nothing suspected: the cosine indicator needs tokens "
+                f"known unused beside the others ({ref['size']:,} known here; a tokenizer naming unused tokens, or "
+                "--counts-file with the training text, tells). Score: how many standard deviations the token's "
+                "input-embedding norm lies below the mean (higher = more suspect).")
+    sources = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref["from"].items() if v) or "none known"
+    head = f"Indicator: {u['indicator']}. Reference tokens (known unused): {ref['size']:,} ({sources})."
+    verified = "" if u.get("verified") is None else f"; verified by the repeat test among the listed: {u['verified']}"
+    listing = f" All {u['suspected']:,} suspected, most suspect first: [{u['csv']}]({u['csv']})." if u.get("csv") else ""
+    return f"{head} Suspected (score ≥ {u['threshold']}): {u['suspected']:,}{verified}.{listing}"
+
+
+def _under_trained_table(u: dict) -> str:
+    """The 20 most suspect tokens; the score column names the threshold (or that there is
+    none), the token column is left out without a tokenizer (the id names the token)."""
+    candidates = u["candidates"][:20]
+    named = any(c["token"] is not None for c in candidates)
+    verified = any("repeat_probability" in c for c in candidates)
+    score = f"score (suspected ≥ {u['threshold']})" if u.get("suspected") is not None else "norm z-score (no threshold)"
+    header = ["id", *(["token"] if named else []), "category", score, "input norm", *(["p(repeat)"] if verified else [])]
+    rows = [[str(c["id"]), *([_token_cell(c["token"])] if named else []), c["category"], _fmt(c["score"]),
+             _fmt(c["norm"]), *([_fmt(c.get("repeat_probability"))] if verified else [])] for c in candidates]
+    return _table(header, rows)
+
+
+def _token_cell(token: str | None) -> str:
+    return "–" if token is None else f"`{token}`".replace("|", "\\|")
+
+
 def _under_trained_markdown(report: Report) -> list[str]:
     """One table per model of its most suspect under-trained tokens (docs/report.md)."""
     md: list[str] = []
@@ -150,23 +213,26 @@ def _under_trained_markdown(report: Report) -> list[str]:
         if "error" in u:
             md += [f"### {m['name']}", "", f"Not computed: {u['error']}", ""]
             continue
-        ref = u["reference"]
-        sources = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in ref["from"].items() if v) or "none known"
-        md += [f"### {m['name']}", "", f"Indicator: {u['indicator']}. Reference tokens (known unused): {ref['size']:,} "
-               f"({sources}). Suspected (score ≥ {u['threshold']}): {_fmt(u['suspected'])}"
-               + ("" if u.get("verified") is None else f"; verified by the repeat test among the listed: {u['verified']}") + "."
-               + (f" All {u['suspected']:,} suspected, most suspect first: [{u['csv']}]({u['csv']})." if u.get("csv") else ""), ""]
-        verified = any("repeat_probability" in c for c in u["candidates"])
-        header = ["id", "token", "category", "score", "input norm"] + (["p(repeat)"] if verified else [])
-        rows = [[str(c["id"]), f"`{c['token']!s}`".replace("|", "\\|"), c["category"], _fmt(c["score"]), _fmt(c["norm"])]
-                + ([_fmt(c.get("repeat_probability"))] if verified else []) for c in u["candidates"][:20]]
-        md += [_table(header, rows), ""]
+        md += [f"### {m['name']}", "", _under_trained_intro(u), ""]
+        if not any(c["token"] is not None for c in u["candidates"]):
+            md += ["No tokenizer: each token is given by its id.", ""]
+        md += [_under_trained_table(u), ""]
     return (["## Under-trained tokens", "", "Tokens whose rows look like those of tokens the model never trained on "
              "(Land & Bartolo 2024): higher score = more suspect; p(repeat) < 0.01 verifies one.", ""] + md) if md else []
 
 
-def render_markdown(report: Report) -> str:
-    """The report's tables as Markdown."""
+def _plots_markdown(plots: Sequence[str]) -> list[str]:
+    """Each written picture as an image link (relative to report.md), its title and what its
+    axes show."""
+    md = []
+    for name in plots:
+        title, axes = PLOTS.get(name, (name, ""))
+        md += [f"### {title}", "", f"![{title}]({name})", "", axes, ""]
+    return ["## Plots", "", *md] if md else []
+
+
+def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
+    """The report's tables as Markdown, and the pictures `plots` (file names beside report.md)."""
     md = ["# Embedding geometry report", ""]
     md.append(", ".join(f"**{m['name']}** ({m['kind']}{', tied' if m.get('tied') else ''}): `{m['path']}`" for m in report.models))
     md += ["", "## Geometry", "", _geometry_table(_columns(report)), ""]
@@ -206,7 +272,21 @@ def render_markdown(report: Report) -> str:
                _table(["block"] + [m["name"] for m in with_text], rows), ""]
     md += _sentences_markdown(report)
     md += _under_trained_markdown(report)
+    md += _plots_markdown([Path(p).name for p in plots])
     return "\n".join(md) + "\n"
+
+
+MATPLOTLIB_HINT = f"pip install matplotlib, or {install_hint('report')}"
+"""How to get the plots."""
+
+
+def has_matplotlib() -> bool:
+    """Whether matplotlib imports."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def require_matplotlib():
@@ -214,7 +294,7 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ReportError("plots need matplotlib: pip install 'aniso-plugins[report]', or pass --no-plots") from None
+        raise ReportError(f"plots need matplotlib ({MATPLOTLIB_HINT}); or write without them (--no-plots)") from None
     return matplotlib
 
 
@@ -248,9 +328,9 @@ def _plot_spectrum(plt, cols: list[tuple[str, dict]]):
         sv = [max(x, 1e-12) for x in g["spectrum"]]
         ax.plot(range(1, len(sv) + 1), sv, label=label)
     ax.set_yscale("log")
-    ax.set_xlabel("index i")
-    ax.set_ylabel("σ_i / σ_1")
-    ax.set_title("Normalised singular values (raw)")
+    ax.set_xlabel("index i of the singular value (largest first)")
+    ax.set_ylabel("σ_i / σ_1 (log scale)")
+    ax.set_title(PLOTS["spectrum.png"][0], fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
@@ -276,6 +356,7 @@ def _plot_cosines(plt, cols: list[tuple[str, dict]], postprocess: Sequence[str])
         ax.set_xlabel("cos(w_i, w_j), sampled rows")
         ax.set_ylabel("density")
         ax.legend(fontsize=7)
+    fig.suptitle(PLOTS["cosines.png"][0], fontsize=10)
     return fig
 
 
@@ -297,8 +378,8 @@ def _projection_panel(ax, m: dict, k: str, g: dict) -> None:
     else:
         ax.scatter(xy[pick, 0], xy[pick, 1], s=3, alpha=0.5, linewidths=0)
     ax.set_title(f"{m['name']} · {k}", fontsize=9)
-    ax.set_xlabel("⟨w, u_1⟩")
-    ax.set_ylabel("⟨w, u_2⟩")
+    ax.set_xlabel("⟨w, u_1⟩: along the 1st singular direction")
+    ax.set_ylabel("⟨w, u_2⟩: along the 2nd singular direction")
 
 
 def _plot_projection(plt, items: list[tuple[dict, str, dict]]):
@@ -311,6 +392,7 @@ def _plot_projection(plt, items: list[tuple[dict, str, dict]]):
         ax.set_visible(False)
     for ax, (m, k, g) in zip(axes.flat, items):
         _projection_panel(ax, m, k, g)
+    fig.suptitle(PLOTS["projection.png"][0], fontsize=10)
     return fig
 
 
@@ -325,7 +407,7 @@ def _plot_layers(plt, with_text: list[dict]):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("block (0 = the first transformer block's output)")
     ax.set_ylabel("mean cosine of random token occurrences")
-    ax.set_title("Hidden-state anisotropy per layer")
+    ax.set_title(PLOTS["layers.png"][0], fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
@@ -349,11 +431,13 @@ def _plot_norm_frequency(plt, with_text: list[dict]):
         ax.set_ylabel("row norm ‖w_i‖")
         ax.set_title(f"norm vs frequency: {k}")
         ax.legend(fontsize=7, markerscale=3)
+    fig.suptitle(PLOTS["norm_frequency.png"][0], fontsize=10)
     return fig
 
 
 def _plot_under_trained(plt, models: list[dict]):
-    """Histogram of the under-trained indicator, reference tokens and the others, per model."""
+    """Histogram of the under-trained indicator, reference tokens and the others, per model,
+    with the threshold of the report's text and table (none for the norm ranking)."""
     fig, axes = plt.subplots(1, len(models), figsize=(5.0 * len(models), 3.8), squeeze=False, sharey=True)
     for ax, m in zip(axes[0], models):
         u = m["under_trained"]
@@ -361,14 +445,18 @@ def _plot_under_trained(plt, models: list[dict]):
         finite = torch.isfinite(score)
         lo, hi = (float(score[finite].min()), float(score[finite].max())) if finite.any() else (0.0, 1.0)
         bins = torch.linspace(lo, hi + 1e-9, 41).tolist()
-        ax.hist(score[~ref & finite].tolist(), bins=bins, alpha=0.7, label="other tokens", log=True)
-        if ref.any():
+        scored = u.get("suspected") is not None
+        ax.hist(score[~ref & finite].tolist(), bins=bins, alpha=0.7, label="other tokens" if scored else "tokens", log=True)
+        if scored:
             ax.hist(score[ref & finite].tolist(), bins=bins, alpha=0.7, label="known unused", log=True)
-            ax.axvline(u["threshold"], color="k", lw=0.8, ls="--", label=f"threshold {u['threshold']}")
-        ax.set_xlabel("score (higher = more like unused)")
+            ax.axvline(u["threshold"], color="k", lw=0.8, ls="--", label=f"threshold {u['threshold']} (suspected ≥)")
+            ax.set_xlabel("score: cosine to the unused rows' mean")
+        else:
+            ax.set_xlabel("input-norm z-score (no known-unused token: no threshold)")
         ax.set_title(m["name"], fontsize=9)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("tokens")
+    axes[0][0].set_ylabel("tokens per bin (log scale)")
+    fig.suptitle(PLOTS["under_trained.png"][0], fontsize=10)
     return fig
 
 
@@ -394,4 +482,12 @@ def render_plots(report: Report, directory: Path) -> list[str]:
     return figures.written
 
 
-__all__ = ["PROJECTION_POINTS", "render_markdown", "render_plots", "require_matplotlib"]
+__all__ = [
+    "MATPLOTLIB_HINT",
+    "PLOTS",
+    "PROJECTION_POINTS",
+    "has_matplotlib",
+    "render_markdown",
+    "render_plots",
+    "require_matplotlib",
+]

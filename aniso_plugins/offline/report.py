@@ -89,8 +89,9 @@ class Report:
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
 
-    def to_markdown(self) -> str:
-        return render_markdown(self)
+    def to_markdown(self, plots: Sequence[str] = ()) -> str:
+        """report.md; `plots`: the pictures beside it, shown with their titles and axes."""
+        return render_markdown(self, plots)
 
     def plot(self, directory: str | os.PathLike) -> list[str]:
         """Write the PNG plots into `directory`; returns their paths."""
@@ -98,19 +99,19 @@ class Report:
 
     def write(self, directory: str | os.PathLike, plots: bool = True) -> list[str]:
         """report.json, report.md, under_trained.csv (every suspected under-trained token, when
-        a model has reference tokens) and (with `plots`) the PNGs into `directory`, atomically
-        (`atomic_directory`: an earlier report there is replaced whole, an interrupted write
-        leaves none); returns the paths."""
+        a model has reference tokens) and (with `plots`) the PNGs, shown in report.md, into
+        `directory`, atomically (`atomic_directory`: an earlier report there is replaced whole,
+        an interrupted write leaves none); returns the paths."""
         if plots:
             require_matplotlib()
         with atomic_directory(directory) as tmp:
+            pictures = [Path(p).name for p in self.plot(tmp)] if plots else []
             (tmp / "report.json").write_text(self.to_json() + "\n")
-            (tmp / "report.md").write_text(self.to_markdown())
+            (tmp / "report.md").write_text(self.to_markdown(pictures))
             names = ["report.json", "report.md"]
             if write_suspects_csv(self.models, tmp / UNDER_TRAINED_CSV):
                 names.append(UNDER_TRAINED_CSV)
-            names += [Path(p).name for p in self.plot(tmp)] if plots else []
-        return [str(Path(directory) / n) for n in names]
+        return [str(Path(directory) / n) for n in [*names, *pictures]]
 
 
 def _progress_factory(enabled: bool):

@@ -29,7 +29,7 @@ from aniso_plugins.offline.checkpoints import (
     lightning_tensors,
     zero_tensors,
 )
-from aniso_plugins.offline.errors import ReportError
+from aniso_plugins.offline.errors import ReportError, install_hint
 from aniso_plugins.offline.errors import one_line as _one_line
 
 _EMBEDDING_NAME = re.compile(r"(embed|wte|word_embeddings|lm_head|tok_embeddings|(^|\.)output\.weight$|decoder\.weight$)")
@@ -260,24 +260,56 @@ def _label(path: Path, name: str | None) -> str:
     return label
 
 
+EXPECTED_MODEL = ("a Hugging Face model directory (config.json and weights, e.g. a Trainer checkpoint-N), a .safetensors "
+                  "file, a Lightning .ckpt or a torchtitan/DCP checkpoint folder")
+"""What a MODEL argument can be, for the messages that refuse one."""
+
+
+def _looks_like_safetensors(path: Path) -> bool:
+    """Whether `path` starts as a safetensors file does: an 8-byte little-endian header length
+    that fits in the file, then the JSON header's ``{``."""
+    with open(path, "rb") as f:
+        start = f.read(9)
+    if len(start) < 9:
+        return False
+    n = int.from_bytes(start[:8], "little")
+    return 2 <= n <= path.stat().st_size - 8 and start[8:9] == b"{"
+
+
+def _checkpoint_number(p: Path) -> int:
+    return int(p.name.removeprefix("checkpoint-"))
+
+
+def _not_a_model_folder(path: Path, why: str) -> str:
+    """Why the folder `path` is no model: a training output folder (its ``checkpoint-N``
+    listed, the latest suggested) or `why` it holds no weights."""
+    checkpoints = sorted((p for p in path.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)),
+                         key=_checkpoint_number)
+    if checkpoints:
+        names = ", ".join(p.name for p in checkpoints[-10:])
+        more = f" (the last 10 of {len(checkpoints)})" if len(checkpoints) > 10 else ""
+        return (f"{path} is a training output folder, not a model directory: it holds the checkpoints {names}{more}; "
+                f"report one of them, e.g. the latest: aniso report {checkpoints[-1]}")
+    return f"{path} {why}"
+
+
 def _safetensors_model(path: Path, label: str, tensor: Sequence[str] | None) -> LoadedModel | None:
     """A safetensors file, a directory of them without config.json, or the tensors named by
     `tensor` in an HF model directory; None for an HF model directory to load as a model."""
     if path.is_file():
-        if path.suffix != ".safetensors":
-            with open(path, "rb") as f:
-                head = f.read(8)
-            if len(head) < 8:
-                raise ReportError(f"cannot read safetensors file {path}: file too short")
+        if path.suffix != ".safetensors" and not _looks_like_safetensors(path):
+            raise ReportError(f"{path} is not a model: expected {EXPECTED_MODEL}")
         return LoadedModel(label, str(path), "safetensors", {s.name: s for s in _safetensors_sources(path, tensor)})
     if not (path / "config.json").exists():
         files = sorted(path.glob("*.safetensors"))
         if files:
             sources = [s for f in files for s in _safetensors_sources(f, tensor)]
             return LoadedModel(label, str(path), "safetensors", {s.name: s for s in sources})
-        raise ReportError(f"{path} is not a model directory: no config.json and no *.safetensors weights")
+        raise ReportError(_not_a_model_folder(
+            path, f"is not a model directory: no config.json and no *.safetensors weights; expected {EXPECTED_MODEL}"))
     if not any((path / f).exists() for f in _WEIGHT_FILES) and not list(path.glob("*.safetensors")):
-        raise ReportError(f"{path} has a config.json but no weights (model.safetensors or pytorch_model.bin)")
+        raise ReportError(_not_a_model_folder(
+            path, "has a config.json but no weights (model.safetensors or pytorch_model.bin)"))
     if not tensor:
         return None
     sources = []
@@ -296,7 +328,8 @@ def _hf_config(path: Path):
     try:
         transformers = _quiet_transformers()
     except ImportError:
-        raise ReportError("a Hugging Face model directory needs transformers (pip install aniso-plugins[hf])") from None
+        raise ReportError("a Hugging Face model directory needs transformers: pip install transformers, or "
+                          f"{install_hint('hf')}") from None
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
