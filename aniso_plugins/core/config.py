@@ -7,7 +7,11 @@ declares beside its code (``methods/<name>/options.py``, ``metrics/<name>/option
 `aniso_plugins.core.options.Options` dataclass with its own checks and state fields; the
 registry lists them) plus the run's own fields below; a plugin ignores the fields of methods
 that are off. Every value is checked at construction: a bad one raises `ConfigError` naming
-the field, the value and what is accepted. `extend` adds a third-party plugin's options.
+the field, the value (its type, when that is what is wrong) and what is accepted, with the
+closest accepted names of a misspelt one. Names from a fixed list (`Options.CHOICES`:
+``method``, ``head``, ``metrics``, ...) are matched in any case; an unknown keyword raises
+`TypeError` naming the closest fields (every registered plugin's included). `extend` adds a
+third-party plugin's options.
 
 The dataclass is frozen (``cfg.alpha = 0.1`` raises `dataclasses.FrozenInstanceError`; use
 ``cfg.replace(alpha=0.1)``, which validates again), hashable and comparable. Sequence fields are
@@ -20,6 +24,7 @@ they are stored as tuples. See docs/configuration.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +36,11 @@ from aniso_plugins.core.options import (
     Options,
     StrList,
     as_sequence,
+    canonical_choice,
     check_choice,
     check_choices,
     check_positive_or_none,
+    closest,
     list_field,
 )
 
@@ -48,6 +55,7 @@ class CoreOptions(Options):
     """What the run trains: its methods, its head and the ignored target value."""
 
     SEQUENCES = {"method": str}
+    CHOICES = {"method": METHODS, "head": HEADS}
     STATE_FIELDS = ("method", "head", "ignore_index")
 
     method: MethodList = list_field("none")
@@ -71,6 +79,24 @@ class CoreOptions(Options):
 _FEATURE_OPTIONS: tuple[type[Options], ...] = registry.option_classes()
 
 
+def _checked_keywords(cls: type) -> type:
+    """`cls` whose ``__init__`` (the dataclass's) refuses an unknown keyword with a `TypeError`
+    (as Python does) that names the closest fields (`_unknown`); the signature is kept."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - _field_names(type(self)))
+        if unknown:
+            what = "an unexpected keyword argument" if len(unknown) == 1 else "unexpected keyword arguments"
+            raise TypeError(f"{type(self).__name__}() got {what} {_unknown(type(self), unknown)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_checked_keywords
 @dataclass(frozen=True)
 class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core's, then each feature's, in order
     """What to run. Defaults measure geometry and change nothing about training.
@@ -91,6 +117,7 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
     """
 
     SEQUENCES = {"metrics": str}
+    CHOICES = {"metrics": METRICS, "on_state_mismatch": STATE_MISMATCH}
 
     metrics: StrList = list_field("geometry")
     """Metric plugins to run, any of METRICS."""
@@ -106,8 +133,17 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
     state (AGG's counters, target counts) fresh."""
 
     def __post_init__(self) -> None:
-        for name, kind in self.sequence_fields().items():  # frozen: normalize through object.__setattr__
+        sequences, choices = self.sequence_fields(), self.choice_fields()
+        for name, kind in sequences.items():  # frozen: normalize through object.__setattr__
             object.__setattr__(self, name, as_sequence(name, getattr(self, name), kind))
+        for name, names in choices.items():  # as spelt in the list, before any check reads them
+            value = getattr(self, name)
+            spelt = (
+                tuple(canonical_choice(name, v, names, choices) for v in value)
+                if name in sequences
+                else canonical_choice(name, value, names, choices)
+            )
+            object.__setattr__(self, name, spelt)
         for options in self.option_classes():
             if "validate" in vars(options):  # each class's own checks, once
                 options.validate(self)
@@ -126,6 +162,12 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
     def sequence_fields(cls) -> dict[str, type]:
         """Every sequence field and its element type (stored as tuples)."""
         return {name: kind for c in cls.option_classes() for name, kind in vars(c).get("SEQUENCES", {}).items()}
+
+    @classmethod
+    def choice_fields(cls) -> dict[str, tuple[str, ...]]:
+        """Every field whose values are names from a fixed list, and the names (each feature's
+        `CHOICES`; matched in any case)."""
+        return {name: tuple(names) for c in cls.option_classes() for name, names in vars(c).get("CHOICES", {}).items()}
 
     @classmethod
     def state_fields(cls) -> tuple[str, ...]:
@@ -155,7 +197,7 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
                 raise ConfigError(f"AnisoConfig.extend: {extra.__name__} redefines the fields {clash}")
             taken |= {f.name for f in dataclasses.fields(extra)}
         name = "AnisoConfig+" + "+".join(o.__name__ for o in options)
-        return dataclass(frozen=True)(type(name, (*reversed(options), cls), {"__module__": cls.__module__}))
+        return _checked_keywords(dataclass(frozen=True)(type(name, (*reversed(options), cls), {"__module__": cls.__module__})))
 
     def uses(self, method: str) -> bool:
         """Whether `method` (a name of METHODS) is among the configured training methods."""
@@ -163,7 +205,7 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
 
     def replace(self, **changes: Any) -> AnisoConfig:
         """A copy with `changes` applied, validated like a new configuration; unknown field
-        names raise `ConfigError`."""
+        names raise `ConfigError` naming the closest fields."""
         _known(type(self), changes)
         return dataclasses.replace(self, **changes)
 
@@ -173,16 +215,40 @@ class AnisoConfig(*reversed(_FEATURE_OPTIONS), CoreOptions):  # fields: the core
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AnisoConfig:
-        """Inverse of `to_dict`; unknown keys raise `ConfigError`."""
+        """Inverse of `to_dict`; unknown keys raise `ConfigError` naming the closest fields."""
         _known(cls, data)
         return cls(**data)
 
 
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
+
+
+def _unknown(cls: type[AnisoConfig], unknown: list[str]) -> str:
+    """Each unknown field name with what was likely meant: a value of a `CHOICES` field given as
+    a keyword (``agg=True``: ``method='agg'``), else the closest field names; else where the
+    fields are listed."""
+    fields, choices = _field_names(cls), cls.choice_fields()
+    said = []
+    for name in unknown:
+        owners = [f"{f}={spelt!r}" for f, names in choices.items() for spelt in names if spelt.casefold() == name.casefold()]
+        close = closest(name, fields)
+        if owners:
+            said.append(f"{name!r} (a value, not a field: {' or '.join(owners)})")
+        elif close:
+            said.append(f"{name!r} (did you mean {' or '.join(map(repr, close))}?)")
+        else:
+            said.append(
+                f"{name!r} (no field of {cls.__name__}: docs/configuration.md lists them; a third-party plugin's "
+                "fields exist once it is installed, or with AnisoConfig.extend)"
+            )
+    return ", ".join(said)
+
+
 def _known(cls: type, data: Any) -> None:
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - names)
+    unknown = sorted(set(data) - _field_names(cls))
     if unknown:
-        raise ConfigError(f"unknown configuration fields {unknown}; known: {sorted(names)}")
+        raise ConfigError(f"unknown configuration fields {unknown}: {_unknown(cls, unknown)}; known: {sorted(_field_names(cls))}")
 
 
 __all__ = ["AnisoConfig", "AnisoError", "ConfigError", "CoreOptions", "METHODS", "HEADS", "METRICS"]

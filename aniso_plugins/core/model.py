@@ -186,8 +186,9 @@ class ModelHandle:
         self.on_restore(self.head().register_forward_hook(on_output).remove)
 
     def require_trainable_head(self, who: str) -> None:
-        """Raise `SetupError` unless the head's own weight is trained: `who` (a method that changes
-        the head's gradient) would otherwise silently do nothing."""
+        """Raise `SetupError` unless the head's own weight is trained (and is no embedding lookup):
+        `who` (a method that changes the head's gradient) would otherwise silently do nothing."""
+        _refuse_lookup_head(self, who)
         weight = self.head().weight
         if not weight.requires_grad:
             raise SetupError(
@@ -302,6 +303,12 @@ def _active_adapters(module: nn.Module) -> list[str]:
     return [] if getattr(module, "disable_adapters", False) else list(getattr(module, "active_adapters", ()))
 
 
+def _refuse_lookup_head(handle: ModelHandle, who: str) -> None:
+    if isinstance(handle.head(), nn.Embedding):
+        raise SetupError(f"{who} trains the LM head, but the head named, {handle._head!r}, is an embedding lookup that "
+                         f"makes no logits (only metrics can read it): use {_with_head(handle.model) or 'an LM head'}")
+
+
 def _lora_layer(module: nn.Module) -> bool:
     """Whether `module` is a PEFT LoRA layer (a frozen ``base_layer`` plus trained A·B)."""
     return callable(getattr(module, "get_delta_weight", None)) and hasattr(module, "base_layer") and hasattr(module, "lora_A")
@@ -365,6 +372,7 @@ class OutputEmbeddingsHandle(ModelHandle):
         return weight
 
     def require_trainable_head(self, who: str) -> None:
+        _refuse_lookup_head(self, who)
         head = self.head()
         name = self._head_name()
         if _lora_layer(head):
@@ -485,10 +493,7 @@ def output_projection(model: nn.Module) -> str:
     get = getattr(model, "get_output_embeddings", None)
     declared = get() if callable(get) else None
     if declared is None:
-        raise SetupError(
-            f"{type(model).__name__}.get_output_embeddings() is missing or None: a language model with an "
-            "output-embedding (LM head) Linear is needed, or name it: AnisoCallback(..., head='path.to.head')"
-        )
+        raise _no_head(model, model)
     paths = {id(module): name for name, module in model.named_modules()}
     shape = _rows(declared)
     if isinstance(declared, nn.Embedding):
@@ -526,6 +531,30 @@ def output_projection(model: nn.Module) -> str:
     )
 
 
+def _with_head(model: nn.Module) -> str:
+    """The masked- and causal-LM classes of `model`'s transformers family ("BertForMaskedLM or ...")."""
+    try:
+        import transformers
+        from transformers.models.auto import modeling_auto as auto
+    except ImportError:
+        return ""
+    kind, family = getattr(getattr(model, "config", None), "model_type", None), type(model).__name__.removesuffix("Model")
+    names = [t.get(kind) for t in (auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
+    names += [n for n in (f"{family}ForMaskedLM", f"{family}ForCausalLM") if family and hasattr(transformers, n)]
+    return " or ".join(dict.fromkeys(n for n in names if isinstance(n, str)))
+
+
+def _no_head(model: nn.Module, root: nn.Module) -> SetupError:
+    """The refusal of `model` (in `root`), whose ``get_output_embeddings()`` is missing or None."""
+    embedding = {id(m): path for path, m in root.named_modules()}.get(id(_input_embedding_of(model)))
+    return SetupError(
+        f"found no LM head in {type(model).__name__} (get_output_embeddings() is missing or None): load "
+        f"{_with_head(model) or 'a model with one'} (from_pretrained of the same checkpoint), or name the head: "
+        "AnisoCallback(..., head='path.to.head')" + (f"; to measure it without one (metrics of its input embedding and "
+        f"hidden states, no method on the head), name its input embedding: head={embedding!r}" if embedding else "")
+    )
+
+
 def _input_embedding_of(model: nn.Module) -> nn.Module | None:
     get = getattr(model, "get_input_embeddings", None)
     try:
@@ -554,10 +583,12 @@ def find_handle(
     (depth-first, `root` included) with the transformers ``get_output_embeddings()`` API."""
     if head is not None:
         return ModelHandle(root, head=head, input_embedding=input_embedding, blocks=blocks)
-    for module in root.modules():
-        get = getattr(module, "get_output_embeddings", None)
-        if callable(get) and isinstance(get(), nn.Module):
+    bare = [m for m in root.modules() if callable(getattr(m, "get_output_embeddings", None))]
+    for module in bare:
+        if isinstance(module.get_output_embeddings(), nn.Module):
             return OutputEmbeddingsHandle(module)
+    if bare:  # transformers models without an LM head
+        raise _no_head(bare[0], root)
     raise SetupError(
         f"found no LM head in {type(root).__name__}: no submodule has get_output_embeddings(); "
         "name it with head='path.to.lm_head' (and input_embedding=, blocks=)"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 
-from aniso_plugins.core.errors import ConfigError
+from aniso_plugins.core.options import choice_error
 
 _PKG = "aniso_plugins"
 
@@ -114,7 +114,7 @@ def plugin_class(field: str, name: str) -> type | None:
     "metrics"), or None when the name adds no plugin; an unknown name raises `ConfigError`."""
     table = TABLES[field]
     if name not in table:
-        raise ConfigError(f"{field}={name!r}: expected one of {', '.join(table)}")
+        raise choice_error(field, name, tuple(table), {f: tuple(t) for f, t in TABLES.items()})
     spec = table[name]
     return None if spec is None else resolve(spec)
 
