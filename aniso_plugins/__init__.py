@@ -14,6 +14,7 @@ from aniso_plugins.core.version import __version__
 
 _EXPORTS: dict[str, str] = {
     "TrainingHead": "aniso_plugins.methods.fused_loss.head",
+    "AGGGatingWarning": "aniso_plugins.methods.agg.plugin",
     "AllButTheTop": "aniso_plugins.offline.postprocess",
     "AnisoConfig": "aniso_plugins.core.config",
     "AnisoError": "aniso_plugins.core.errors",
@@ -108,6 +109,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.steps import RunInfo, StepInfo
     from aniso_plugins.core.targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
     from aniso_plugins.methods.agg.counter import SlidingTokenCounter
+    from aniso_plugins.methods.agg.plugin import AGGGatingWarning
     from aniso_plugins.methods.agg.gates import agg_gates
     from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
     from aniso_plugins.methods.fused_loss.head import TrainingHead
@@ -152,6 +154,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
 __all__ = [
     "__version__",
     "TrainingHead",
+    "AGGGatingWarning",
     "AllButTheTop",
     "AnisoConfig",
     "AnisoError",

@@ -498,14 +498,14 @@ def test_bf16_autocast_every_head_gemm_takes_bf16_operands_as_autograd():
 def _with_stage_rows(rows: int, run):
     """`run()` with the CPU's float32 stage for bf16 logits cut to `rows` rows per block (V = 512),
     so that a chunk takes many blocks and a last, shorter one."""
-    from aniso_plugins.methods.fused_loss import cross_entropy
+    from aniso_plugins.methods.fused_loss import workspace
 
-    saved = cross_entropy.STAGE_BYTES
-    cross_entropy.STAGE_BYTES = 4 * 512 * rows
+    saved = workspace.STAGE_BYTES
+    workspace.STAGE_BYTES = 4 * 512 * rows
     try:
         return run()
     finally:
-        cross_entropy.STAGE_BYTES = saved
+        workspace.STAGE_BYTES = saved
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])

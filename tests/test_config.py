@@ -84,7 +84,8 @@ NON_DEFAULT = dict(
 
 
 def test_non_default_covers_every_field():
-    assert set(NON_DEFAULT) == {f.name for f in dataclasses.fields(AnisoConfig)}
+    exclusive = {"rare_fraction"}  # exclusive with alpha; tests/test_agg_gating.py parses it
+    assert set(NON_DEFAULT) | exclusive == {f.name for f in dataclasses.fields(AnisoConfig)}
     default = AnisoConfig()
     assert all(getattr(default, k) != v for k, v in NON_DEFAULT.items())
 
@@ -139,10 +140,10 @@ def test_config_is_frozen_and_replace_validates_again():
         cfg.alpha = -1
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.metrics = ("geometry", "geometry")
-    assert cfg.alpha == 0.03 and cfg.metrics == ("geometry",)
+    assert cfg.alpha is None and cfg.metrics == ("geometry",)  # None: 0.03 (or rare_fraction's)
     changed = cfg.replace(alpha=0.1, metrics=["eval"])
     assert (changed.alpha, changed.metrics, changed.method) == (0.1, ("eval",), ("agg",))
-    assert cfg.alpha == 0.03  # the original is untouched
+    assert cfg.alpha is None  # the original is untouched
     assert dataclasses.replace(cfg, alpha=0.1) == cfg.replace(alpha=0.1)
     with pytest.raises(ConfigError, match="alpha=-1"):
         cfg.replace(alpha=-1)
@@ -534,10 +535,11 @@ def test_each_feature_declares_its_options_and_the_config_is_their_union():
     assert names[:3] == ["method", "head", "ignore_index"] and len(names) == len(set(names))
     own = {c: {f.name for f in dataclasses.fields(c)} - {f.name for b in c.__bases__ for f in dataclasses.fields(b)}
            for c in AnisoConfig.option_classes()}  # fmt: skip
-    assert own[AGGOptions] == {"alpha", "alpha_tokens", "window", "special_ids", "agg_g1", "agg_g2", "agg_static_after",
-                               "agg_freeze_rare", "agg_parts"}  # fmt: skip
+    assert own[AGGOptions] == {"alpha", "alpha_tokens", "rare_fraction", "window", "special_ids", "agg_g1", "agg_g2",
+                               "agg_static_after", "agg_freeze_rare", "agg_parts"}  # fmt: skip
     assert set().union(*own.values()) == set(names)  # every field has one home
-    assert AnisoConfig.state_fields() == ("method", "head", "ignore_index", "alpha", "alpha_tokens", "special_ids", "lowrank_rank")
+    assert AnisoConfig.state_fields() == ("method", "head", "ignore_index", "alpha", "alpha_tokens", "rare_fraction",
+                                          "special_ids", "lowrank_rank")  # fmt: skip
     assert HeadOptions.STATE_FIELDS == ("lowrank_rank",)
     with pytest.raises(ConfigError, match="alpha=0: expected a number > 0"):  # AGGOptions.validate, inside AnisoConfig
         AnisoConfig(alpha=0)
@@ -550,7 +552,7 @@ def test_a_third_party_plugin_gets_options_through_the_same_route(tmp_path):
 
     Config = AnisoConfig.extend(HeadNormOptions)
     config = Config(method="agg", head_norm_coef=0.5)
-    assert isinstance(config, AnisoConfig) and config.alpha == 0.03
+    assert isinstance(config, AnisoConfig) and config.alpha is None
     assert aniso_make_plugins(config)[0].coef == 0.5 and HeadNormPlugin.from_config(AnisoConfig()).coef == 1e-4
     with pytest.raises(ConfigError, match="head_norm_coef=-1"):
         Config(head_norm_coef=-1)

@@ -106,11 +106,13 @@ def check_compatible(saved: Mapping, config: Mapping, where: str) -> None:
     window itself where that is exact)."""
     if isinstance(saved.get("method"), str):  # written before method became a list (0.1: "agg")
         saved = {**saved, "method": [saved["method"]]}
-    diffs = [
-        f"{k}: saved {saved.get(k)!r}, now {_jsonable(config.get(k))!r}"
-        for k in AnisoConfig.state_fields()
-        if _jsonable(saved.get(k)) != _jsonable(config.get(k))
-    ]
+    # a feature's STATE_DEFAULTS: {field: the value its None stands for}, so None and that value compare equal
+    defaults = {k: v for c in AnisoConfig.option_classes() for k, v in vars(c).get("STATE_DEFAULTS", {}).items()}
+    was = {k: _jsonable(saved.get(k, None)) for k in AnisoConfig.state_fields()}
+    now = {k: _jsonable(config.get(k)) for k in AnisoConfig.state_fields()}
+    for values in (was, now):
+        values.update({k: defaults[k] for k, v in values.items() if v is None and k in defaults})
+    diffs = [f"{k}: saved {was[k]!r}, now {now[k]!r}" for k in AnisoConfig.state_fields() if was[k] != now[k]]
     if diffs:
         raise StateError(f"{where}: written under another configuration ({'; '.join(diffs)}): {RESET_HINT}")
 

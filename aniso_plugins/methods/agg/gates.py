@@ -9,13 +9,15 @@ the training head applies to the weight gradient without an N×V pass
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 
-__all__ = ["G2_EPS", "agg_gates"]
+__all__ = ["G2_EPS", "agg_gates", "rare_fraction_alpha"]
 
 #: The official code's guard on the mean rare count: g2 = min(c_k / (c̄_r + 1e-7), 1).
 G2_EPS = 1e-7
@@ -76,3 +78,46 @@ def agg_gates(
         gate1, gate2 = torch.where(rare, zero, gate1), torch.where(rare, zero, gate2)
         target = torch.where(rare, zero, one)
     return RowGates(gate1, gate2, rare, target)
+
+
+def rare_fraction_alpha(
+    counts: torch.Tensor, appearance: torch.Tensor, fraction: float, special_ids: Iterable[int] = ()
+) -> tuple[float, float]:
+    """α for which the rare group {k : a_k < α} holds about `fraction` of the window's target
+    tokens (docs/methods.md §1.2, ``rare_fraction``), and the share it holds.
+
+    counts: c, the window's target counts (V,); appearance: a, the values `agg_gates` compares
+    (a_k = s·c_k for every id but the specials, s > 0: per update or per ``alpha_tokens``);
+    special_ids: never rare, their tokens count in the total. The group is a count threshold:
+    {k non-special : c_k < θ}, with θ ranging over the distinct counts of the non-special ids
+    (and above the largest). Ids never seen are rare for every α > 0. Of these groups the one
+    whose share Σ_{k rare} c_k / Σ_j c_j is nearest `fraction` is taken (the smaller on a tie),
+    and α = a_k of the least frequent id left out of it (ties in a_k go together), so the strict
+    test a_k < α selects exactly that group in float32. Returns (α, share of that group); with
+    nothing counted, (the smallest positive float32, 0.0): only never-seen ids are rare.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction={fraction!r}: expected a number in (0, 1)")
+    if counts.shape != appearance.shape or counts.dim() != 1:
+        shapes = f"counts {tuple(counts.shape)} and appearance {tuple(appearance.shape)}"
+        raise ValueError(f"{shapes}: expected two (V,) tensors")
+    keep = np.ones(counts.numel(), dtype=bool)
+    keep[list(special_ids)] = False
+    c = counts.detach().cpu().to(torch.int64).numpy()
+    a = appearance.detach().cpu().to(torch.float32).numpy()[keep]
+    total, c = int(c.sum()), c[keep]
+    tiny = float(np.finfo(np.float32).tiny)
+    if total == 0 or c.size == 0:
+        return tiny, 0.0
+    ordered = np.sort(c, kind="stable")  # NumPy's integer sort: far faster than torch's on the CPU
+    share = np.concatenate([[0], np.cumsum(ordered)]) / total  # [i]: share of the i least frequent ids
+    allowed = np.ones(c.size + 1, dtype=bool)  # a group ends where the count changes
+    allowed[1:-1] = ordered[1:] != ordered[:-1]
+    allowed[: int(np.searchsorted(ordered, 0, side="right"))] = False  # α > 0: never-seen ids are always rare
+    i = int(np.flatnonzero(allowed)[np.abs(share[allowed] - fraction).argmin()])
+    if i < c.size:  # a_k of an id with the first count left out (a_k is the same for equal counts)
+        alpha = float(a[int(np.argmax(c == ordered[i]))])
+    else:  # every non-special id rare
+        alpha = float(np.nextafter(a.max(), np.float32(np.inf)))
+    alpha = max(alpha, tiny)
+    return alpha, float(c[a < np.float32(alpha)].sum()) / total

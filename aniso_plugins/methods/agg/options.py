@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from aniso_plugins.core.errors import ConfigError
 from aniso_plugins.core.options import (
     IntList,
     Options,
@@ -19,16 +20,25 @@ from aniso_plugins.core.options import (
 AGG_PARTS = ("a", "b", "c")
 """Gradient parts of a rare row that AGG may gate (docs/methods.md §0)."""
 
+DEFAULT_ALPHA = 0.03
+"""α when neither ``alpha`` nor ``rare_fraction`` is set: the official language-model recipe's."""
+
 
 @dataclass(frozen=True)
 class AGGOptions(Options):
     """AGG (Yu et al. 2022)."""
 
     SEQUENCES = {"special_ids": int, "agg_parts": str}
-    STATE_FIELDS = ("alpha", "alpha_tokens", "special_ids")
+    STATE_FIELDS = ("alpha", "alpha_tokens", "rare_fraction", "special_ids")
+    STATE_DEFAULTS = {"alpha": DEFAULT_ALPHA}  # a saved alpha=None (or 0.03, the old default) is 0.03
 
-    alpha: float = 0.03
-    """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT."""
+    alpha: float | None = None
+    """Rare threshold: token k is rare iff a_k < alpha (strict). Paper: 0.03 LM, 0.08 MT.
+    None: 0.03 (`DEFAULT_ALPHA`, the paper's semantics), unless ``rare_fraction`` is set."""
+    rare_fraction: float | None = None
+    """Instead of ``alpha``: the share of the window's target tokens to make rare, in (0, 1). At
+    every gate computation α is chosen from the token counter so that the rare group holds the
+    share nearest this one (docs/methods.md §1.2); exclusive with ``alpha``. None: ``alpha``."""
     alpha_tokens: int | None = None
     """The target tokens per optimizer update that ``alpha`` refers to (the recipe it was tuned
     on), so that rarity means the same at every batch size: the appearance is then counted per
@@ -53,11 +63,21 @@ class AGGOptions(Options):
 
     def validate(self) -> None:
         check_choices("agg_parts", self.agg_parts, AGG_PARTS)
-        check_range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
+        if self.alpha is not None:
+            check_range("alpha", self.alpha, 0.0, math.inf, "a number > 0", low_open=True)
+        if self.rare_fraction is not None:
+            check_range("rare_fraction", self.rare_fraction, 0.0, math.nextafter(1.0, 0.0), "a number in (0, 1)",
+                        low_open=True)  # fmt: skip
+            if self.alpha is not None:
+                raise ConfigError(
+                    f"alpha={self.alpha!r} and rare_fraction={self.rare_fraction!r}: set one of them. Both choose "
+                    "AGG's rare threshold: alpha a fixed one, rare_fraction one chosen from the token counter at every "
+                    "step so that about that share of the target tokens is rare"
+                )
         check_positive_or_none("window", self.window)
         check_positive_or_none("alpha_tokens", self.alpha_tokens)
         check_positive_or_none("agg_static_after", self.agg_static_after)
         check_token_ids("special_ids", self.special_ids)
 
 
-__all__ = ["AGGOptions"]
+__all__ = ["AGGOptions", "DEFAULT_ALPHA"]

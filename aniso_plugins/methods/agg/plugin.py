@@ -7,17 +7,21 @@ trainer's epoch length. Per training micro-batch (`aniso_targets`): count its ta
 across data-parallel ranks), compute the gates from the appearance that now includes them (the
 official order, docs/methods.md §1.1), and arm the head with both (where the adapter owns the
 loss, the fused-loss plugin then makes the head return the fused AGG cross-entropy). After the
-optimizer step (`aniso_step_end`): advance the counter. Validation and evaluation never reach
-the counter (no `aniso_targets` for them, and the head gates only in training mode with grad
-enabled).
+optimizer step (`aniso_step_end`): check, once the counter's window is full, that the rare group
+holds some but at most half of the window's target tokens (else one `AGGGatingWarning`, also on
+the ``aniso_plugins`` logger, naming the setting that would gate a chosen share), then advance
+the counter. Validation and evaluation never reach the counter (no `aniso_targets` for them, and
+the head gates only in training mode with grad enabled).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
@@ -25,24 +29,35 @@ from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import RunInfo, StepInfo
 from aniso_plugins.methods.agg.counter import SlidingTokenCounter
-from aniso_plugins.methods.agg.gates import agg_gates
+from aniso_plugins.methods.agg.gates import agg_gates, rare_fraction_alpha
+from aniso_plugins.methods.agg.options import DEFAULT_ALPHA
 from aniso_plugins.methods.fused_loss.head import TrainingHead, check_linear_head
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
-from aniso_plugins.numerics.distributed import is_distributed
+from aniso_plugins.numerics.distributed import is_distributed, world_group
 
 NAMESPACE = "agg"
 logger = logging.getLogger("aniso_plugins")
+SUGGESTED_FRACTION = 0.05
+"""The share of the target tokens the warning's suggested setting gates."""
+
+
+class AGGGatingWarning(UserWarning):
+    """AGG's rare group holds none of the target tokens of its full window, or more than half of
+    them (docs/methods.md §1.1, "Gating check"): AGG changes nothing, or gates most of the head's
+    gradient."""
 
 
 class AGGPlugin(Plugin):
-    """AGG (Yu et al., ACL 2022) as a plugin; reads ``alpha``, ``window``, ``special_ids``,
-    ``ignore_index`` and the ``agg_*`` ablations of `AnisoConfig`.
+    """AGG (Yu et al., ACL 2022) as a plugin; reads ``alpha`` (or ``rare_fraction``),
+    ``alpha_tokens``, ``window``, ``special_ids``, ``ignore_index`` and the ``agg_*`` ablations of
+    `AnisoConfig`.
 
     window: ``config.window``, else ``RunInfo.epoch_steps`` from the adapter (the paper's one
     epoch of optimizer steps), else a `ConfigError` when training begins.
     """
 
     name = "agg"
+    summary = {"AGG gated": "agg/rare_target_fraction"}
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
@@ -50,9 +65,12 @@ class AGGPlugin(Plugin):
         self.counter: SlidingTokenCounter | None = None
         self.vocab_size: int | None = None
         self.last_gates: RowGates | None = None
-        self._static: tuple[torch.Tensor, int] | None = None  # (appearance, steps) frozen by agg_static_after
+        self.last_alpha: float | None = None  # the α of last_gates (chosen each time under rare_fraction)
+        # (appearance, steps, α or None) frozen by agg_static_after
+        self._static: tuple[torch.Tensor, int, float | None] | None = None
         self._step_warned = False
         self._rarity_told = False  # the info line of the first measurement
+        self._gating_warned = False  # the AGGGatingWarning, once a run
 
     # --- hooks --------------------------------------------------------------------------------
     def setup(self, model: ModelHandle) -> None:
@@ -120,9 +138,11 @@ class AGGPlugin(Plugin):
     def aniso_step_end(self, step: StepInfo) -> None:
         counter = self._ready()
         self._check_consumed(step)
+        self._check_gating(counter, step)
         after = self.config.agg_static_after
         if after is not None and self._static is None and counter.step_index >= after:
-            self._static = (self._appearance(counter), counter.steps_in_window)
+            appearance = self._appearance(counter)
+            self._static = (appearance, counter.steps_in_window, self._alpha(counter, appearance))
         counter.step()
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
@@ -144,9 +164,11 @@ class AGGPlugin(Plugin):
             logger.info(
                 "AGG at step %d: %d of %d ids are rare (%.1f%% of the vocabulary, a_k < alpha=%g %s), %.1f%% of the "
                 "step's target tokens",
-                step.step, n_rare, rare.numel(), 100.0 * n_rare / rare.numel(), self.config.alpha, per, 100.0 * rare_tokens,
+                step.step, n_rare, rare.numel(), 100.0 * n_rare / rare.numel(), self.last_alpha, per, 100.0 * rare_tokens,
             )  # fmt: skip
+        alpha = {"agg/alpha": self.last_alpha} if self.config.rare_fraction is not None else {}
         return {
+            **alpha,
             "agg/rare_size": float(n_rare),
             "agg/rare_vocab_fraction": n_rare / rare.numel(),
             "agg/rare_target_fraction": rare_tokens,
@@ -163,6 +185,8 @@ class AGGPlugin(Plugin):
         if self._static is not None:
             state["static_appearance"] = self._static[0]
             state["static_steps"] = torch.tensor([self._static[1]], dtype=torch.int64)
+            if self._static[2] is not None:
+                state["static_alpha"] = torch.tensor([self._static[2]], dtype=torch.float64)
         return {NAMESPACE: state}
 
     @hookimpl
@@ -188,7 +212,8 @@ class AGGPlugin(Plugin):
             )
         static = None
         if "static_appearance" in mine:
-            static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]))
+            alpha = float(mine["static_alpha"][0]) if "static_alpha" in mine else None
+            static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]), alpha)
         self.counter, self._static = counter, static
 
     # --- internals ------------------------------------------------------------------------------
@@ -223,12 +248,26 @@ class AGGPlugin(Plugin):
         tokens = self.config.alpha_tokens
         return counter.appearance() if tokens is None else counter.appearance_per_tokens(tokens)
 
+    def _alpha(self, counter: SlidingTokenCounter, appearance: torch.Tensor) -> float:
+        """α: ``alpha`` (0.03 if None), or under ``rare_fraction`` the one chosen from the window's
+        counts (docs/methods.md §1.2); the frozen one under ``agg_static_after``."""
+        c = self.config
+        if self._static is not None and self._static[2] is not None:
+            return self._static[2]
+        if c.rare_fraction is None:
+            return DEFAULT_ALPHA if c.alpha is None else c.alpha
+        return rare_fraction_alpha(counter.counts(), appearance, c.rare_fraction, counter.always_frequent)[0]
+
     def _gates(self, counter: SlidingTokenCounter) -> RowGates:
         c = self.config
-        appearance, steps = self._static or (self._appearance(counter), counter.steps_in_window)
+        appearance, steps = self._static[:2] if self._static else (self._appearance(counter), counter.steps_in_window)
+        alpha = self.last_alpha = self._alpha(counter, appearance)
+        if alpha > 1.0 and c.rare_fraction is not None and counter.always_frequent:
+            appearance = appearance.clone()  # a_k = 1 marks the specials: never rare under rare_fraction
+            appearance[list(counter.always_frequent)] = alpha
         return agg_gates(
             appearance,
-            c.alpha,
+            alpha,
             steps=steps,
             g1=c.agg_g1,
             g2=c.agg_g2,
@@ -236,5 +275,55 @@ class AGGPlugin(Plugin):
             freeze_rare=c.agg_freeze_rare,
         )
 
+    def _check_gating(self, counter: SlidingTokenCounter, step: StepInfo) -> None:
+        """Once the window is full (the step ending is the K-th in it), warn once when the rare
+        group holds none of the window's target tokens, or more than half of them."""
+        if self._gating_warned or self.last_gates is None or counter.step_index < counter.window:
+            return
+        counts = counter.counts()
+        total = int(counts.sum())
+        share = float(counts[self.last_gates.rare].sum()) / total if total else None
+        wanted = self.config.rare_fraction
+        if share is None or 0.0 < share <= 0.5 or (share > 0.5 and wanted is not None and wanted > 0.5):
+            return
+        self._gating_warned = True
+        group = step.batch_group if step.batch_group is not None else world_group()
+        if is_distributed() and dist.get_rank(group) != 0:
+            return  # every rank holds the same counts: the first of the batch says it
+        message = self._gating_message(counter, counts, share, step)
+        logger.warning(message)
+        warnings.warn(message, AGGGatingWarning, stacklevel=2)
 
-__all__ = ["AGGPlugin"]
+    def _gating_message(self, counter: SlidingTokenCounter, counts: torch.Tensor, share: float, step: StepInfo) -> str:
+        c, rare, alpha, total = self.config, self.last_gates.rare, self.last_alpha, int(counts.sum())
+        seen = int((counts[rare] > 0).sum())
+        what = "no target token" if share == 0 else "more than half of the target tokens"
+        how = "set by alpha" if c.alpha is not None else "the default of alpha=None"
+        how = f"chosen by rare_fraction={c.rare_fraction}" if c.rare_fraction is not None else how
+        per = f"per alpha_tokens={c.alpha_tokens} target tokens" if c.alpha_tokens else "per update (alpha_tokens=None)"
+        text = (f"AGG gates {what} of its window at step {step.step}: with the window full (window={counter.window} "
+                f"optimizer steps, {total:,} target tokens seen), the rare group a_k < alpha={alpha:.4g} ({how}; a_k "
+                f"counted {per}) holds {int(rare.sum())} of {rare.numel()} ids, {seen} of them "
+                f"seen in the window: {share:.1%} of the window's target tokens.")  # fmt: skip
+        if share == 0 and c.alpha_tokens and total * alpha <= c.alpha_tokens:
+            text += (f" A window of at most alpha_tokens / alpha = {c.alpha_tokens / alpha:,.0f} target tokens "
+                     "cannot make a seen id rare.")  # fmt: skip
+        elif share == 0 and not c.alpha_tokens and counter.window * alpha <= 1:
+            text += f" A window of at most 1 / alpha = {1 / alpha:.4g} optimizer steps cannot make a seen id rare."
+        return f"{text} {self._gating_fix(counter, counts)}"
+
+    def _gating_fix(self, counter: SlidingTokenCounter, counts: torch.Tensor) -> str:
+        """The setting that would gate about SUGGESTED_FRACTION (or the configured rare_fraction)."""
+        c = self.config
+        wanted = SUGGESTED_FRACTION if c.rare_fraction is None else c.rare_fraction
+        alpha, share = rare_fraction_alpha(counts, self._appearance(counter), wanted, counter.always_frequent)
+        if share == 0 or c.rare_fraction is not None:
+            return (f"This window's counts are too coarse for any alpha to make about {100 * wanted:g}% of its target "
+                    f"tokens rare (the nearest share is {share:.1%}): use a longer window (window=).")  # fmt: skip
+        keep = f" with alpha_tokens={c.alpha_tokens}" if c.alpha_tokens else ""
+        return (f"rare_fraction={wanted} (instead of alpha) would gate about {100 * wanted:g}%: alpha is then chosen from "
+                f"the token counter at every step; on this window it would be alpha={alpha:.4g}{keep}, gating "
+                f"{share:.1%} of the target tokens (docs/methods.md §1.2).")  # fmt: skip
+
+
+__all__ = ["AGGGatingWarning", "AGGPlugin"]
