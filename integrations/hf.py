@@ -34,9 +34,9 @@ What the callback does with the Trainer (transformers 5.x; docs/design.md walks 
 - Loss terms are attached in the LM head's forward on the last micro-batch of each optimizer
   step: their gradient reaches the weights before clipping, once per step, and DDP averages
   identical per-rank contributions (no double counting).
-- Metrics are measured on every rank at the Trainer's logging steps (or every
-  ``config.metrics_every`` steps) and added to the Trainer's log record; evaluation metrics
-  after ``evaluate()`` under ``eval_aniso/...``.
+- Metrics are measured on every rank at the Trainer's logging steps (or every ``metrics_every``
+  steps) and added to the Trainer's log record (the printed one shows a summary: `hf_console`);
+  evaluation metrics after ``evaluate()`` under ``eval_aniso/...``.
 - Plugin state is written to ``checkpoint-N/aniso_state.safetensors`` on save and restored
   at ``train(resume_from_checkpoint=...)``.
 """
@@ -59,7 +59,7 @@ from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, Train
 from aniso_plugins.core.causal_loss import FusedLabelSmoother, install_fused_causal_loss
 from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
-from aniso_plugins.integrations import hf_layout, hf_trl
+from aniso_plugins.integrations import hf_console, hf_layout, hf_trl
 from aniso_plugins.integrations.hf_layout import loss_scaler, model_loss_scale
 
 try:
@@ -82,9 +82,7 @@ def hf_handle(model: nn.Module, head: str | None = None) -> OutputEmbeddingsHand
     the submodule at `head`; a clear error for anything else."""
     base = peft_base_model(model)
     if not isinstance(base, PreTrainedModel):
-        raise SetupError(
-            f"AnisoCallback needs a transformers PreTrainedModel (or a PEFT model of one), got {type(model).__name__}"
-        )
+        raise SetupError(f"AnisoCallback needs a transformers PreTrainedModel (or a PEFT model of one), got {type(model).__name__}")
     return OutputEmbeddingsHandle(model, head=head)
 
 
@@ -136,6 +134,7 @@ class AnisoCallback(TrainerCallback):
         self._wrappers: dict[str, Any] = {}
         self._owned = False  # built by AnisoTrainerMixin: its class methods do what _wrap does
         self._trl_unroute: Callable[[], None] | None = None  # removes hf_trl.route_through_head's hooks
+        self._console_undo: Callable[[], None] = lambda: None  # gives the Trainer's printer its on_log back
 
     # --- wiring -----------------------------------------------------------------------------
     def attach(self, trainer: Trainer) -> AnisoCallback:
@@ -155,6 +154,7 @@ class AnisoCallback(TrainerCallback):
         try:
             if not self._owned:
                 self._wrap(trainer)
+            self._console_undo = hf_console.condense_printed_logs(trainer, self.session)
             if self.session.handle is None:
                 self._set_up(trainer.model)
         except BaseException:
@@ -236,6 +236,7 @@ class AnisoCallback(TrainerCallback):
         trainer, self.trainer = self.trainer, None
         if trainer is None:
             return
+        self._console_undo()
         for name, (wrapper, original) in self._wrappers.items():
             if trainer.__dict__.get(name) is wrapper:
                 if original is None:
@@ -365,10 +366,8 @@ class AnisoCallback(TrainerCallback):
             return  # AnisoTrainerMixin attaches it once Trainer.__init__ has succeeded
         trainer = _constructing_trainer()
         if trainer is None:
-            logger.warning(
-                "AnisoCallback could not find the Trainer being constructed; call callback.attach(trainer) "
-                "before train()"
-            )
+            logger.warning("AnisoCallback could not find the Trainer being constructed; call callback.attach(trainer) "
+                           "before train()")
             return
         self._check(trainer)  # refused before any callback's set-up changed the model
         # set up after every other callback's on_init_end (the handler's loop reaches appended ones)

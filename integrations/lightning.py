@@ -265,8 +265,16 @@ class AnisoCallback(pl.Callback):
             return
         self.session.end_step(step)
         if self._due(trainer, step):
-            log = lambda m: pl_module.log_dict(m, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)  # noqa: E731
+            log = lambda m: self._log(pl_module, m, "", on_step=True, on_epoch=False)  # noqa: E731
             self.session.measure_and_log(step, "train", log)
+
+    def _log(self, pl_module: pl.LightningModule, metrics: dict[str, float], prefix: str, **when: bool) -> None:
+        """Every metric to the loggers, and the plugins' summary values (`TrainingSession.summary`)
+        to the progress bar only."""
+        pl_module.log_dict(metrics, sync_dist=False, batch_size=1, **when)
+        summary = {prefix.replace("_", " ") + label: v for label, v in self.session.summary(metrics, prefix).items()}
+        if summary:
+            pl_module.log_dict(summary, prog_bar=True, logger=False, sync_dist=False, batch_size=1, **when)
 
     # --- evaluation -------------------------------------------------------------------------
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
@@ -281,7 +289,7 @@ class AnisoCallback(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        log = lambda m: pl_module.log_dict(m, sync_dist=False, batch_size=1)  # noqa: E731
+        log = lambda m: self._log(pl_module, m, _VAL_PREFIX)  # noqa: E731
         self.session.measure_and_log(trainer.global_step, "eval", log, prefix=_VAL_PREFIX)
 
     # --- state ------------------------------------------------------------------------------

@@ -201,6 +201,15 @@ def aniso_log(metrics: Mapping[str, float], step: int, kind: str) -> None:
 
 
 @hookspec
+def aniso_summary_metrics() -> dict[str, str] | None:
+    """The few of your metrics that say at a glance whether the method or metric works, as
+    short label -> metric name (relative, as `aniso_metrics` returns it), e.g.
+    ``{"I(W)": "geometry/head/isotropy"}``: the adapters show them in one line per logging step
+    (the HF Trainer's printed log, Lightning's progress bar), while the trainer's loggers get
+    every metric."""
+
+
+@hookspec
 def aniso_end_training(output_dir: str, main_process: bool) -> None:
     """Training has ended (the trainer's own end of training; an interrupted run never gets
     here). `output_dir`: the trainer's output folder (HF ``args.output_dir``, Lightning

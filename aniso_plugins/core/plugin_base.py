@@ -6,6 +6,7 @@ subclass overrides the plain methods below, not the hooks."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
@@ -26,10 +27,16 @@ class Plugin:
     hook options (``tryfirst``) or measures evaluation declares that hook itself."""
 
     name = ""
+    summary: ClassVar[dict[str, str]] = {}
+    """`aniso_summary_metrics`: short label -> metric name, the values shown in the one-line log."""
 
     def __init__(self, config: AnisoConfig) -> None:
         self.config = config
         self._handle: ModelHandle | None = None
+
+    @hookimpl
+    def aniso_summary_metrics(self) -> dict[str, str] | None:
+        return dict(self.summary) or None
 
     @property
     def model(self) -> ModelHandle:

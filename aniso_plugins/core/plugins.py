@@ -186,6 +186,13 @@ class AnisoPlugins:
             out.update({f"{METRIC_PREFIX}loss/{k[len(_SHARE):]}": float(v) for k, v in reduced.items() if k.startswith(_SHARE)})
         return out
 
+    def summary_metrics(self) -> dict[str, str]:
+        """Every plugin's `aniso_summary_metrics`: short label -> full metric name (``aniso/...``)."""
+        out: dict[str, str] = {}
+        for part in reversed(self.pm.hook.aniso_summary_metrics()):  # registration order
+            out.update({label: METRIC_PREFIX + name for label, name in (part or {}).items()})
+        return out
+
     def log(self, metrics: Mapping[str, float], step: int, kind: str = "train") -> None:
         """Let plugins observe finished metrics (after the adapter logged them)."""
         self.pm.hook.aniso_log(metrics=metrics, step=step, kind=kind)

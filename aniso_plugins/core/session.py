@@ -427,6 +427,12 @@ class TrainingSession:
         self.plugins.log(metrics, step, kind)
         return metrics
 
+    def summary(self, logs: Mapping[str, object], prefix: str = "") -> dict[str, float]:
+        """The plugins' summary values (`aniso_summary_metrics`) present in `logs` (names with
+        `prefix` before ``aniso/``), short label -> value, in the plugins' order."""
+        return {label: float(logs[prefix + name]) for label, name in self.plugins.summary_metrics().items()
+                if isinstance(logs.get(prefix + name), (int, float))}
+
     @contextlib.contextmanager
     def evaluating(self, targets: torch.Tensor | None, head_calls: int = 1) -> Iterator[None]:
         """While inside, the logits the model's loss reads (`ModelHandle.register_logits_hook`:

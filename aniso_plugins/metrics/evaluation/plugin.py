@@ -37,6 +37,7 @@ class EvalPlugin(Plugin):
     itself (the base's train measurement does not apply)."""
 
     name = "eval"
+    summary = {"ppl": "eval/ppl", "ppl rare": "eval/ppl_rare"}
 
     def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
         super().__init__(config)

@@ -39,6 +39,7 @@ class FrequencyGroupsPlugin(Plugin):
     for group in rare, medium, frequent, and ``frequency/rare_frequent_cosine``."""
 
     name = "frequency"
+    summary = {"I(W) rare": "frequency/rare/isotropy"}
 
     def __init__(self, config: AnisoConfig, counts: TargetCountsPlugin) -> None:
         super().__init__(config)

@@ -39,6 +39,7 @@ class GeometryPlugin(Plugin):
     """Geometry metrics of the head's weight and, when untied, of the input embedding's."""
 
     name = "geometry"
+    summary = {"I(W)": "geometry/head/isotropy", "cos": "geometry/head/mean_cosine"}
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
