@@ -28,32 +28,50 @@ def add_run_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-# (label, metric name, measured on the validation set?)
+# (label, metric name, measured on the validation set?, which way is better)
 TABLE = [
-    ("validation perplexity", "aniso/eval/ppl", True),
-    ("  frequent tokens", "aniso/eval/ppl_frequent", True),
-    ("  medium tokens", "aniso/eval/ppl_medium", True),
-    ("  rare tokens", "aniso/eval/ppl_rare", True),
-    ("Uniq (distinct argmax predictions)", "aniso/eval/uniq", True),
-    ("I(W) of the head (raw, Wang et al.)", "aniso/geometry/head/isotropy", False),
-    ("I(W) of the head (centered)", "aniso/geometry/head/isotropy_centered", False),
-    ("I(W) of the rare group", "aniso/frequency/rare/isotropy", False),
-    ("mean cosine of the head's rows", "aniso/geometry/head/mean_cosine", False),
-    ("mean cosine rare vs frequent rows", "aniso/frequency/rare_frequent_cosine", False),
-    ("uniformity of the head rows (Wang & Isola)", "aniso/uniformity/head", False),
-    ("uniformity of the last hidden states", "aniso/uniformity/hidden", False),
+    ("validation perplexity", "aniso/eval/ppl", True, "↓"),
+    ("  frequent tokens", "aniso/eval/ppl_frequent", True, "↓"),
+    ("  medium tokens", "aniso/eval/ppl_medium", True, "↓"),
+    ("  rare tokens", "aniso/eval/ppl_rare", True, "↓"),
+    ("Uniq (distinct argmax predictions)", "aniso/eval/uniq", True, "↑"),
+    ("I(W) of the head (raw, Wang et al.)", "aniso/geometry/head/isotropy", False, "↑"),
+    ("I(W) of the head (centered)", "aniso/geometry/head/isotropy_centered", False, "↑"),
+    ("I(W) of the rare group", "aniso/frequency/rare/isotropy", False, "↑"),
+    ("mean cosine of the head's rows", "aniso/geometry/head/mean_cosine", False, "→0"),
+    ("mean cosine rare vs frequent rows", "aniso/frequency/rare_frequent_cosine", False, "→0"),
+    ("uniformity of the head rows (Wang & Isola)", "aniso/uniformity/head", False, "↓"),
+    ("uniformity of the last hidden states", "aniso/uniformity/hidden", False, "↓"),
 ]
+MLE_AT_DEFAULTS = {
+    "eval_aniso/eval/ppl": 23.4, "eval_aniso/eval/ppl_frequent": 17.9, "eval_aniso/eval/ppl_medium": 2.24e4,
+    "eval_aniso/eval/ppl_rare": 1.761e5, "eval_aniso/eval/uniq": 38, "aniso/geometry/head/isotropy": 0.6039,
+    "aniso/geometry/head/isotropy_centered": 0.9678, "aniso/frequency/rare/isotropy": 0.4688,
+    "aniso/geometry/head/mean_cosine": 0.5622, "aniso/frequency/rare_frequent_cosine": 0.401,
+    "aniso/uniformity/head": -1.266, "aniso/uniformity/hidden": -2.453,
+}
+"""`python examples/hf_train.py --method mle` with every default (seed 0; torch 2.14.1, transformers
+5.24, on a 2-core CPU): the baseline `hf_train.py` prints beside another method's run at the defaults."""
+BETTER = {"↓": "lower is better", "↑": "higher is better (1 = isotropic)", "→0": "closer to 0 is better"}
 
 
-def print_table(title: str, metrics: dict[str, float], eval_prefix: str) -> dict[str, float]:
+def print_table(title: str, metrics: dict[str, float], eval_prefix: str,
+                baseline: dict[str, float] | None = None, baseline_label: str = "MLE") -> dict[str, float]:
     """Print the comparison table from `metrics` (validation metrics under `eval_prefix`,
-    e.g. "eval_" for the HF Trainer, "val_" for Lightning); returns the rows printed."""
-    rows = {label: metrics[(eval_prefix if is_eval else "") + key] for label, key, is_eval in TABLE
-            if (eval_prefix if is_eval else "") + key in metrics}
+    e.g. "eval_" for the HF Trainer, "val_" for Lightning), each row with the way it is better
+    and, when given, the `baseline` run's value (same names) beside it; returns the rows printed."""
+    name = lambda key, is_eval: (eval_prefix if is_eval else "") + key  # noqa: E731
+    rows = {label: metrics[name(key, e)] for label, key, e, _ in TABLE if name(key, e) in metrics}
     print(f"\n{title}")
-    width = max(len(label) for label, _, _ in TABLE)
-    for label, value in rows.items():
-        print(f"  {label:<{width}}  {value:.4g}")
+    width = max(len(label) for label, _, _, _ in TABLE)
+    head = f"  {'':<{width}}  {'':>2}  {'this run':>10}" + (f"  {baseline_label:>10}" if baseline else "")
+    print(head)
+    for label, key, is_eval, better in TABLE:
+        if label not in rows:
+            continue
+        other = "" if not baseline else f"  {baseline.get(name(key, is_eval), float('nan')):>10.4g}"
+        print(f"  {label:<{width}}  {better:>2}  {rows[label]:>10.4g}{other}")
+    print("  " + "; ".join(f"{arrow} {meaning}" for arrow, meaning in BETTER.items()))
     return rows
 
 

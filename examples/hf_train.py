@@ -14,11 +14,12 @@ At the end it prints validation perplexity per frequency group, Uniq, I(W) and m
 from __future__ import annotations
 
 import argparse
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from comparison import METHODS, add_run_arguments, print_table
+from comparison import METHODS, MLE_AT_DEFAULTS, add_run_arguments, print_table
 from corpus import hf_tokenizer, load_text, split_texts, tokenize, train_valid
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
@@ -35,7 +36,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--output-dir", default=None)
     a = p.parse_args(argv)
     trainer, metrics, vocab, tokens = train(METHODS[a.method], a, prefix=f"aniso_hf_{a.method}_")
-    print_table(f"{a.method}: vocabulary {vocab}, {tokens} training tokens", metrics, "eval_")
+    defaults = vars(p.parse_args(["--method", a.method])) == vars(a)
+    baseline = MLE_AT_DEFAULTS if defaults and a.method != "mle" else None
+    print_table(f"{a.method}: vocabulary {vocab}, {tokens} training tokens", metrics, "eval_", baseline,
+                "MLE (stored)")
+    if not defaults and a.method != "mle":
+        print("  the MLE baseline at these settings: the same command with --method mle")
     return metrics
 
 
@@ -55,7 +61,7 @@ def train(method: dict, a: argparse.Namespace, prefix: str = "aniso_hf_", disabl
     model.loss_type = "ForCausalLM"  # so the Trainer normalizes by the shifted-label count, as the loss does
     # AGG's window K defaults to one epoch of optimizer steps, which the callback reads off the Trainer
     config = AnisoConfig(**{"metrics": ("geometry", "frequency", "eval", "uniformity"), **method})
-    output_dir = a.output_dir or tempfile.mkdtemp(prefix=prefix)
+    output_dir = a.output_dir or tempfile.mkdtemp(prefix=prefix)  # removed below unless --output-dir
     args = TrainingArguments(
         output_dir=output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch_size,
         per_device_eval_batch_size=a.batch_size, learning_rate=3e-3, weight_decay=0.01, warmup_steps=a.steps // 10,
@@ -67,8 +73,12 @@ def train(method: dict, a: argparse.Namespace, prefix: str = "aniso_hf_", disabl
     )
     if disable_tqdm:  # a caller that prints its own line per run: no log records on stdout either
         trainer.remove_callback(PrinterCallback)
-    trainer.train()
-    metrics = final_table(trainer, trainer.evaluate())
+    try:
+        trainer.train()
+        metrics = final_table(trainer, trainer.evaluate())
+    finally:
+        if not a.output_dir:  # save_strategy="no": nothing was written there
+            shutil.rmtree(output_dir, ignore_errors=True)
     if a.output_dir:  # what `aniso report` reads: the trained model, its tokenizer, the validation text
         save_for_report(trainer, a, output_dir)
     return trainer, metrics, vocab, len(train_ds) * a.block

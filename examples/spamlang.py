@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -109,7 +110,10 @@ def run(vocab: int, d: int, seed: int, args: argparse.Namespace) -> dict[str, fl
     )
     trainer.remove_callback(PrinterCallback)  # one line per run below instead of the Trainer's log records
     start = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # nothing is saved there (save_strategy="no")
     wall = time.perf_counter() - start
     lost = [row["aniso/bottleneck/lost_fraction"] for row in trainer.state.log_history if "aniso/bottleneck/lost_fraction" in row]
     accuracy, loss = accuracy_and_loss(trainer.model, valid)
