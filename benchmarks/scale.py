@@ -17,7 +17,10 @@ at d = ``--dim``, plus d = ``--extra-dim`` at the smallest N. Variants: ``plain`
 options=torch.nn.LinearCrossEntropyOptions())``, torch >= 2.13, plain CE), ``cce_compile``
 (Apple Cut Cross-Entropy, ``linear_cross_entropy(..., impl="torch_compile")``, plain CE), and on
 CUDA only ``cce_triton`` (CCE's Triton kernel, ``impl="cce"``) and
-``liger_flce`` (Liger-Kernel's fused linear cross-entropy); a peer that is not installed or
+``liger_flce`` (Liger-Kernel's fused linear cross-entropy); soft-capped heads (Gemma 2's cap 30:
+the CE of 30·tanh(z/30)): ``plain_softcap`` (unfused), ``fused_softcap`` (ours, `LogitTransform`),
+``cce_softcap`` (CCE torch_compile with ``softcap=30``); ``fused_options`` (ours with token weights,
+class weights and z-loss at once: the per-row options' path); a peer that is not installed or
 needs CUDA is skipped with the reason. Inputs: x (N, d) and W (V, d) float32 leaves (bf16:
 the step runs under bf16 autocast and the peers get ``x.to(bf16)``, ``W.to(bf16)``), Zipf(1.2)
 targets; typical gates from the appearance of 32k-token steps of the same law at α = 0.03
@@ -83,7 +86,7 @@ from measure import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("plain", "gated_linear", "fused_ones", "fused_typical", "torch_lce", "cce_compile", "cce_triton", "liger_flce",
-            "plain_softcap", "fused_softcap", "cce_softcap")
+            "plain_softcap", "fused_softcap", "cce_softcap", "fused_options")
 LABELS = {
     "plain": "plain F.linear + CE",
     "gated_linear": "gated_linear + CE",
@@ -96,6 +99,7 @@ LABELS = {
     "plain_softcap": "plain, soft-cap 30",
     "fused_softcap": "fused, soft-cap 30",
     "cce_softcap": "CCE torch_compile, soft-cap 30",
+    "fused_options": "fused, token + class weights, z-loss",
 }
 SOFTCAP = 30.0
 """Gemma 2's ``final_logit_softcapping``: the soft-capped variants compute CE of 30·tanh(z/30)."""
@@ -148,6 +152,12 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
         return F.cross_entropy(F.linear(x, w).float(), y)
     if variant == "plain_softcap":
         return F.cross_entropy(torch.tanh(F.linear(x, w).float() / SOFTCAP) * SOFTCAP, y)
+    if variant == "fused_options":  # the row terms' general path: every per-row option at once
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.rand(y.shape, generator=g).to(y.device)
+        classes = torch.rand(w.shape[0], generator=g).add_(0.5).to(y.device)
+        return fused_linear_cross_entropy(x, w, y, chunk_size=chunk or None, token_weights=tokens, class_weights=classes,
+                                          z_loss=1e-4)
     if variant == "fused_softcap":
         from aniso_plugins import LogitTransform
 
