@@ -9,7 +9,6 @@ the training head applies to the weight gradient without an N×V pass
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import numpy as np
