@@ -1,8 +1,9 @@
 """aniso_plugins: measure and counter representation degeneration in language-model training.
 
 Core (trainer-agnostic): the configuration, the plugin manager and its hook specs, reducible
-statistics, state files, and the methods and metrics. Trainer adapters live in
-``aniso_plugins.integrations.<trainer>``.
+statistics, state files, and the methods and metrics. What the adapters know of transformers
+models (their loss, head, label alignment, PEFT wrappers) is ``aniso_plugins.models``; trainer
+adapters live in ``aniso_plugins.integrations.<trainer>``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "LogitTransform": "aniso_plugins.methods.fused_loss.logit_transform",
     "LowRankHead": "aniso_plugins.methods.heads.lowrank",
     "ModelHandle": "aniso_plugins.core.model",
-    "OutputEmbeddingsHandle": "aniso_plugins.core.model",
+    "OutputEmbeddingsHandle": "aniso_plugins.models.handle",
     "Rotation": "aniso_plugins.offline.postprocess",
     "RowGates": "aniso_plugins.methods.fused_loss.row_gates",
     "RunInfo": "aniso_plugins.core.steps",
@@ -43,7 +44,7 @@ _EXPORTS: dict[str, str] = {
     "TransformModule": "aniso_plugins.offline.postprocess",
     "Whitening": "aniso_plugins.offline.postprocess",
     "agg_gates": "aniso_plugins.methods.agg.gates",
-    "alignment_of": "aniso_plugins.core.targets",
+    "alignment_of": "aniso_plugins.models.alignment",
     "attach_loss": "aniso_plugins.core.loss",
     "bottleneck_finish": "aniso_plugins.metrics.bottleneck.probe",
     "bottleneck_stats": "aniso_plugins.metrics.bottleneck.probe",
@@ -52,7 +53,7 @@ _EXPORTS: dict[str, str] = {
     "cosreg": "aniso_plugins.methods.regularizers.penalties",
     "detach": "aniso_plugins.core.model",
     "effective_rank": "aniso_plugins.metrics.geometry.stats",
-    "find_handle": "aniso_plugins.core.model",
+    "find_handle": "aniso_plugins.models.handle",
     "frequency_groups": "aniso_plugins.metrics.frequency.groups",
     "fused_linear_cross_entropy": "aniso_plugins.methods.fused_loss.cross_entropy",
     "full_rows": "aniso_plugins.numerics.distributed",
@@ -102,12 +103,12 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.errors import AnisoError
     from aniso_plugins.core.hookspecs import hookimpl
     from aniso_plugins.core.loss import attach_loss
-    from aniso_plugins.core.model import ModelHandle, OutputEmbeddingsHandle, SetupError, detach, find_handle
+    from aniso_plugins.core.model import ModelHandle, SetupError, detach
     from aniso_plugins.core.plugins import AnisoPlugins
     from aniso_plugins.core.session import TrainingSession
     from aniso_plugins.core.state import StateError, load_state, save_state
     from aniso_plugins.core.steps import RunInfo, StepInfo
-    from aniso_plugins.core.targets import LabelAlignment, alignment_of, causal_targets, sequence_ids
+    from aniso_plugins.core.targets import LabelAlignment, causal_targets, sequence_ids
     from aniso_plugins.methods.agg.counter import SlidingTokenCounter
     from aniso_plugins.methods.agg.plugin import AGGGatingWarning
     from aniso_plugins.methods.agg.gates import agg_gates
@@ -138,6 +139,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
         spectrum,
         w_error,
     )
+    from aniso_plugins.models.alignment import alignment_of
+    from aniso_plugins.models.handle import OutputEmbeddingsHandle, find_handle
     from aniso_plugins.numerics.distributed import LocalRows, full_rows, local_rows
     from aniso_plugins.numerics.reduce import Stat, reduce_stats
     from aniso_plugins.offline.postprocess import (

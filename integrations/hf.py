@@ -25,8 +25,8 @@ What the callback does with the Trainer (transformers 5.x; docs/design.md walks 
   without calling the head, is run through the model's head (`hf_trl.route_through_head`);
   TRL's other trainers are refused at construction.
 - The LM head is the module that makes the logits
-  (`aniso_plugins.core.model.output_projection`), or the callback's ``head=`` path.
-- Targets: as the model's own loss aligns them (`aniso_plugins.core.targets.alignment_of`: causal
+  (`aniso_plugins.models.handle.output_projection`), or the callback's ``head=`` path.
+- Targets: as the model's own loss aligns them (`aniso_plugins.models.alignment.alignment_of`: causal
   LMs shifted, masked LMs and encoder-decoders' decoder labels as they are, ``shift_labels``
   when the collator gives them), or the callback's ``targets=``; packed batches
   (``DataCollatorWithFlattening``) are split into their examples by ``position_ids``
@@ -55,10 +55,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession
-from aniso_plugins.core.causal_loss import FusedLabelSmoother, install_fused_causal_loss
-from aniso_plugins.core.model import peft_base_model
+from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession, alignment_of
 from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
+from aniso_plugins.models.causal_loss import FusedLabelSmoother, install_fused_causal_loss
+from aniso_plugins.models.handle import peft_base_model
 from aniso_plugins.integrations import hf_console, hf_layout, hf_trl
 from aniso_plugins.integrations.hf_layout import loss_scaler, model_loss_scale
 
@@ -78,7 +78,7 @@ _EVAL_PREFIX = "eval_"
 
 def hf_handle(model: nn.Module, head: str | None = None) -> OutputEmbeddingsHandle:
     """The `ModelHandle` of a transformers model (a PEFT ``PeftModel``: of its base model), its
-    LM head the module that makes the logits (`aniso_plugins.core.model.output_projection`) or
+    LM head the module that makes the logits (`aniso_plugins.models.handle.output_projection`) or
     the submodule at `head`; a clear error for anything else."""
     base = peft_base_model(model)
     if not isinstance(base, PreTrainedModel):
@@ -107,7 +107,7 @@ class AnisoCallback(TrainerCallback):
         (`aniso_plugins.core.targets.ALIGNMENTS`), or a function of the batch returning the ids
         aligned with the head's output positions (``config.ignore_index`` where none).
     head: path of the LM head in the model (a PEFT model: in its base model), where the module
-        that makes the logits is not the one found (`aniso_plugins.core.model.output_projection`:
+        that makes the logits is not the one found (`aniso_plugins.models.handle.output_projection`:
         ``get_output_embeddings()`` when it projects onto the vocabulary, else the one module
         that does).
     """
@@ -195,13 +195,14 @@ class AnisoCallback(TrainerCallback):
                 "let the Trainer create its optimizer"
             )
         if self.session.handle is None:
-            target_rule(self._targets, hf_handle(trainer.model, self._head).model)
+            model = hf_handle(trainer.model, self._head).model
+            target_rule(self._targets, lambda: alignment_of(model))
 
     def _set_up(self, model: nn.Module) -> None:
         """Set the session up on `model` (a new model of ``model_init``: after undoing the
         previous model's set-up, with fresh plugin state)."""
         handle = hf_handle(model, self._head)
-        rule = target_rule(self._targets, handle.model)
+        rule = target_rule(self._targets, lambda: alignment_of(handle.model))
         if self.session.handle is not None:
             self.session.detach()
             self.session = TrainingSession(self.config, self._plugins)

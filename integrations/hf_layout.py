@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from aniso_plugins import OutputEmbeddingsHandle
 from aniso_plugins import LogitTransform
-from aniso_plugins.core.causal_loss import IDENTITY, HeadTransform, fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.core.loss_scale import DeepSpeedLossScale
-from aniso_plugins.core.model import peft_base_model
 from aniso_plugins.core.session import GradScaler
+from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, HeadTransform
+from aniso_plugins.models.causal_loss import fused_loss_transform, loss_divides_by_item_count
+from aniso_plugins.models.handle import peft_base_model
 
 try:
     from transformers import Trainer

@@ -12,7 +12,7 @@ Finding the model's parts (the two knobs):
   ``AnisoCallback(config, head="model.lm_head", input_embedding="model.embed",
   blocks="model.blocks")`` (submodule paths of the LightningModule);
 - the targets: by default as the found HF model's own loss aligns ``batch["labels"]``
-  (`aniso_plugins.core.targets.alignment_of`: shifted for a causal LM, or ``batch["shift_labels"]``;
+  (`aniso_plugins.models.alignment.alignment_of`: shifted for a causal LM, or ``batch["shift_labels"]``;
   as they are for a masked LM and for an encoder-decoder's decoder); a head named by path
   needs ``targets="causal"`` / ``"aligned"`` / ``"seq2seq"``, or ``targets=lambda batch: ...``
   returning ids aligned with the head's output positions (``config.ignore_index`` where no
@@ -62,10 +62,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aniso_plugins import AnisoConfig, ModelHandle, OutputEmbeddingsHandle, SetupError, TrainingSession, find_handle
-from aniso_plugins.core.causal_loss import install_fused_causal_loss, why_loss_is_not_reproduced
+from aniso_plugins import AnisoConfig, ModelHandle, OutputEmbeddingsHandle, SetupError, TrainingSession, alignment_of, find_handle
 from aniso_plugins.core.loss_scale import DeepSpeedLossScale
 from aniso_plugins.core.targets import TargetRule, target_rule
+from aniso_plugins.models.causal_loss import install_fused_causal_loss, why_loss_is_not_reproduced
 
 try:
     import lightning.pytorch as pl
@@ -137,7 +137,7 @@ class AnisoCallback(pl.Callback):
                 "the LightningModule's __init__; configure_model may then shard them, and DeepSpeed ZeRO-3 "
                 "partitions them when it starts)"
             ) from e
-        rule = target_rule(self._targets, handle.model if isinstance(handle, OutputEmbeddingsHandle) else None)
+        rule = target_rule(self._targets, (lambda: alignment_of(handle.model)) if isinstance(handle, OutputEmbeddingsHandle) else None)
         self._module_loss = hasattr(type(pl_module), "aniso_loss_fn")
         why_not = None if self._module_loss else self._why_model_loss_is_not_owned(handle)
         self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")

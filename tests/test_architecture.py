@@ -1,6 +1,7 @@
 """The package's shape, checked from its source (docs/design.md "Layout"): no import circle
-(function-level imports included), no function over 60 lines, no module over 600 lines, and no
-built-in method's name inside the generic core or the trainer adapters."""
+(function-level imports included), no function over 60 lines, no module over 600 lines, no
+built-in method's name inside the generic core or the trainer adapters, and no model library or
+model knowledge (aniso_plugins/models/) imported by the core."""
 
 from __future__ import annotations
 
@@ -156,3 +157,42 @@ def test_the_package_imports_its_public_names_on_first_use():
     assert missing == [] and len(aniso_plugins.__all__) > 60
     with pytest.raises(AttributeError, match="no attribute 'nothere'"):
         aniso_plugins.nothere  # noqa: B018
+
+
+MODEL_KNOWLEDGE = ("transformers", "peft", "aniso_plugins.models")
+"""What the trainer-agnostic core must not load: a model library, or the folder of what it knows of one."""
+
+
+def _loads(node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The modules an import statement names, a public name of the package face as its home module."""
+    import aniso_plugins
+
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    names = {node.module or ""} | {f"{node.module}.{a.name}" for a in node.names}
+    if node.module == "aniso_plugins":
+        names |= {aniso_plugins._EXPORTS[a.name] for a in node.names if a.name in aniso_plugins._EXPORTS}
+    return names
+
+
+def _model_knowledge(tree: ast.Module) -> list[str]:
+    """The import statements of `tree` that load `MODEL_KNOWLEDGE`, as "line N: statement"."""
+    return [
+        f"line {node.lineno}: {ast.unparse(node)}"
+        for node in _runtime_imports(tree)
+        if any(name == root or name.startswith(root + ".") for name in _loads(node) for root in MODEL_KNOWLEDGE)
+    ]
+
+
+def test_the_model_knowledge_check_sees_every_route():
+    tree = ast.parse("import peft.tuners\ndef f():\n    from transformers import Trainer\nfrom aniso_plugins import find_handle\n"
+                     "from aniso_plugins import models\nfrom aniso_plugins import ModelHandle\nimport transformers_like\n")
+    assert sorted(line.split(":")[0] for line in _model_knowledge(tree)) == ["line 1", "line 3", "line 4", "line 5"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m == "aniso_plugins.core" or m.startswith("aniso_plugins.core.")))
+def test_the_core_imports_no_model_library_and_no_model_knowledge(module):
+    """core/ is what every trainer needs: how a transformers model computes its loss, where its
+    head is, how its targets align, PEFT's wrappers live in aniso_plugins/models/, which only the
+    adapters use (function-level imports count; ``if TYPE_CHECKING:`` blocks do not)."""
+    assert _model_knowledge(ast.parse(MODULES[module].read_text())) == []

@@ -14,7 +14,7 @@ from transformers import TrainerCallback
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, RunInfo, SetupError, StepInfo
 from aniso_plugins.methods.heads.lowrank import LowRankHead, merge_low_rank, merge_low_rank_heads
-from aniso_plugins.core.model import OutputEmbeddingsHandle
+from aniso_plugins.models.handle import OutputEmbeddingsHandle
 
 V, D = 40, 8
 

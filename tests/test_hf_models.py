@@ -453,7 +453,8 @@ def test_causal_lm_classes_whose_loss_does_not_shift_get_aligned_targets(name):
     was taken as shifted: AGG's gates and SimCTG's positions read labels[t+1]."""
     import transformers
 
-    from aniso_plugins.core.targets import ALIGNED, alignment_of
+    from aniso_plugins.core.targets import ALIGNED
+    from aniso_plugins.models.alignment import alignment_of
 
     cls = getattr(transformers, name)
     model = cls.__new__(cls)  # the rule reads the class's forward; no weights needed

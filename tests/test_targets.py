@@ -55,7 +55,7 @@ def test_alignment_it_cannot_tell_is_refused_naming_targets():
     xlm = _meta(transformers.XLMConfig, transformers.XLMWithLMHeadModel, emb_dim=8, n_layers=1, n_heads=1, **SMALL)
     with pytest.raises(SetupError, match=r"XLMWithLMHeadModel.*hands the labels to self\.pred_layer.*targets="):
         alignment_of(xlm)  # its head computes the loss (and it is listed as both): only the user can say
-    assert target_rule("aligned", xlm) == LabelAlignment("aligned")
+    assert target_rule("aligned", lambda: alignment_of(xlm)) == LabelAlignment("aligned")  # never asked
     with pytest.raises(SetupError, match="targets="):
         target_rule(None, None)  # a head named by path: no model to ask
     with pytest.raises(SetupError, match="expected one of"):

@@ -82,7 +82,7 @@ def test_the_forward_s_operations_are_checked_against_the_transform_fused():
     """The fused sum passes the forward's own transform through and records it; a transform other
     than the one fused at set-up, or a value that lost its wrapper, is an error, never a silently
     wrong loss."""
-    from aniso_plugins.core.causal_loss import IDENTITY, FusedLossSum, fused_sum, transform_of
+    from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, FusedLossSum, fused_sum, transform_of
 
     total = torch.tensor(7.5, requires_grad=True)
     value = FusedLossSum.wrap(total * 1.0)

@@ -2,7 +2,8 @@
 example: the one rule every consumer of targets uses (the adapters' defaults, the report's text
 pass), docs/design.md "Targets".
 
-The rule follows what the model's own loss does (`alignment_of`):
+The rule follows what the model's own loss does (the adapter reads it: a transformers model's
+with `aniso_plugins.models.alignment.alignment_of`):
 
 - ``"causal"`` (decoder-only LMs): position t predicts ``labels[t + 1]`` (`causal_targets`), as
   transformers' ``ForCausalLMLoss`` shifts; ``batch["shift_labels"]`` when the collator gives
@@ -27,9 +28,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
-from aniso_plugins.core.causal_loss import label_alignment_in_forward, labels_passed_to
 from aniso_plugins.core.errors import SetupError
 
 ALIGNMENTS: tuple[str, ...] = ("causal", "aligned", "seq2seq")
@@ -168,76 +167,14 @@ CAUSAL = LabelAlignment("causal")
 ALIGNED = LabelAlignment("aligned")
 SEQ2SEQ = LabelAlignment("seq2seq")
 
-_CAUSAL_LOSS_TYPES = ("ForCausalLM", "ForConditionalGeneration")  # transformers' LOSS_MAPPING: both shift
 
-
-def _auto_class_names() -> tuple[set[str], set[str]]:
-    """(causal-LM, masked-LM) class names of transformers' auto mappings (empty without it)."""
-    try:
-        from transformers.models.auto.modeling_auto import (
-            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-        )
-    except ImportError:
-        return set(), set()
-
-    def names(mapping) -> set[str]:
-        out: set[str] = set()
-        for value in mapping.values():
-            out.update(value if isinstance(value, (tuple, list)) else (value,))
-        return out
-
-    return names(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), names(MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-
-
-def alignment_of(model: nn.Module) -> LabelAlignment:
-    """The `LabelAlignment` of a transformers model, from what its own loss does: an
-    encoder-decoder (``config.is_encoder_decoder``) -> "seq2seq"; else as its forward's code
-    aligns the labels in its loss (`label_alignment_in_forward`: shifted -> "causal", as they
-    are -> "aligned"; transformers lists Bart's, Marian's, XLNet's... unshifting classes as
-    causal LMs); where the code does not say, a class transformers lists as a causal LM, or
-    whose ``loss_type`` is a shifting one -> "causal", a masked LM (listed, or ``loss_type ==
-    "ForMaskedLM"``) -> "aligned". Raises `SetupError` naming the ``targets=`` way out when it
-    cannot tell (no such evidence, contradicting evidence, or a loss computed by a submodule
-    that is handed the labels)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return SEQ2SEQ
-    name = type(model).__name__
-    in_code = label_alignment_in_forward(model)
-    if in_code is not None:
-        return LabelAlignment(in_code)
-    computed_by = labels_passed_to(model)
-    if computed_by is not None:
-        raise SetupError(
-            f"cannot tell how {name}'s loss aligns its logits with its labels: its forward hands the labels to "
-            f"{computed_by}, whose loss it does not show; {TARGETS_HINT}"
-        )
-    causal_names, masked_names = _auto_class_names()
-    votes = set()
-    if name in causal_names:
-        votes.add("causal")
-    if name in masked_names:
-        votes.add("aligned")
-    loss_type = getattr(model, "loss_type", None)
-    if loss_type in _CAUSAL_LOSS_TYPES:
-        votes.add("causal")
-    elif loss_type == "ForMaskedLM":
-        votes.add("aligned")
-    if len(votes) == 1:
-        return LabelAlignment(votes.pop())
-    why = (
-        "it is listed both as a causal and as a masked LM"
-        if votes
-        else f"it is neither an encoder-decoder nor a class transformers lists as a causal or masked LM (loss_type={loss_type!r})"
-    )
-    raise SetupError(f"cannot tell how {name}'s loss aligns its logits with its labels: {why}; {TARGETS_HINT}")
-
-
-def target_rule(targets: str | Callable[[Any], torch.Tensor] | None, model: nn.Module | None) -> TargetRule:
+def target_rule(
+    targets: str | Callable[[Any], torch.Tensor] | None, alignment: Callable[[], LabelAlignment] | None
+) -> TargetRule:
     """An adapter's ``targets=`` option as a `TargetRule`: a function of the batch, a name of
-    `ALIGNMENTS`, or None for `alignment_of(model)` (`SetupError` when `model` is None: a head
-    named by path says nothing of its loss)."""
+    `ALIGNMENTS`, or None for `alignment`, called only then: the adapter's reading of its
+    model's loss (a transformers model's: `aniso_plugins.models.alignment.alignment_of`), or
+    None (`SetupError`) where it has none (a head named by path says nothing of its loss)."""
     if isinstance(targets, (LabelAlignment, TargetFunction)):
         return targets
     if isinstance(targets, str):
@@ -246,9 +183,9 @@ def target_rule(targets: str | Callable[[Any], torch.Tensor] | None, model: nn.M
         return TargetFunction(targets)
     if targets is not None:
         raise SetupError(f"targets={targets!r}: expected one of {ALIGNMENTS}, a function of the batch, or None")
-    if model is None:
+    if alignment is None:
         raise SetupError(f"the LM head was named by path, so its model's loss convention is unknown; {TARGETS_HINT}")
-    return alignment_of(model)
+    return alignment()
 
 
 __all__ = [
@@ -260,7 +197,6 @@ __all__ = [
     "MicroBatchTargets",
     "TargetFunction",
     "TargetRule",
-    "alignment_of",
     "causal_targets",
     "micro_batch_targets",
     "sequence_ids",

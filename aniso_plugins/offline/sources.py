@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from aniso_plugins.core.model import SetupError, output_projection
+from aniso_plugins.core.errors import SetupError
 from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS
+from aniso_plugins.models.handle import output_projection
 from aniso_plugins.offline.checkpoints import (
     dcp_folder,
     dcp_tensors,

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from aniso_plugins.core.config import AnisoConfig
-from aniso_plugins.core.model import ModelHandle, OutputEmbeddingsHandle
+from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.core.targets import causal_targets
 from aniso_plugins.metrics.frequency.groups import GROUPS, frequency_groups
+from aniso_plugins.models.handle import OutputEmbeddingsHandle
 from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.sources import LoadedModel
 

@@ -11,12 +11,12 @@ import logging
 import torch
 from torch import nn
 
-from aniso_plugins.core.causal_loss import FusedLossSum
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.steps import TargetChunks
 from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
 from aniso_plugins.methods.fused_loss.linear import gated_linear
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
+from aniso_plugins.methods.fused_loss.loss_sum import FusedLossSum
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.methods.heads.lowrank import LowRankHead
 from aniso_plugins.numerics.distributed import VocabShard
@@ -51,8 +51,8 @@ class TrainingHead:
     vocabulary's, its reductions over the shard group). backward_twice: the trainer runs the
     backward twice (`ModelHandle.backward_runs_twice`). logit_transform: the soft-cap or scale the
     model's forward applies to the head's output before its loss (`ModelHandle.logit_transform`):
-    the fused loss applies it to every logit and returns its sum as a
-    `aniso_plugins.core.causal_loss.FusedLossSum`, which the forward's own transform passes through.
+    the fused loss applies it to every logit and returns its sum as a `FusedLossSum`
+    (`aniso_plugins.methods.fused_loss.loss_sum`), which the forward's own transform passes through.
     """
 
     def __init__(self, module: nn.Module, ignore_index: int = -100, chunk_size: int | None = None,

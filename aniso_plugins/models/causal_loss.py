@@ -11,30 +11,27 @@ shifted labels (or ``shift_labels``), D = ``num_items_in_batch`` when the Traine
 else the number of non-ignored targets (docs/methods.md §16). `why_loss_is_not_reproduced`
 reads the forward's code (its syntax tree) for exactly that flow; `install_fused_causal_loss`
 then makes ``model.loss_function`` take the head's fused sum Σ CE_i (a 0-dim tensor, which the
-model passes where its logits would be) and divide it by the same D, and leaves every call with
-real logits (evaluation) to the model's own loss function. Duck-typed: transformers is imported
-only to name ForCausalLMLoss.
+model passes where its logits would be, a `aniso_plugins.methods.fused_loss.loss_sum.FusedLossSum`
+where the forward transforms it) and divide it by the same D, and leaves every call with real
+logits (evaluation) to the model's own loss function. `label_alignment_in_forward` reads from the
+same code how the model's loss aligns its labels (`aniso_plugins.models.alignment`). Duck-typed:
+transformers is imported only to name ForCausalLMLoss.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
-import math
 import textwrap
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, HeadTransform, fused_sum, transform_of
+
 _HEAD_CALLS = ("float", "contiguous")
 """Methods a conventional forward may call on the head's output before naming it ``logits``."""
-
-
-HeadTransform = tuple[float, "float | None"]
-"""(scale s, soft-cap c): the model's logits are c·tanh(s·z/c) of the head's z, or s·z when c is
-None (`aniso_plugins.LogitTransform`); (1.0, None) when it passes them on unchanged."""
-IDENTITY: HeadTransform = (1.0, None)
 
 
 def why_loss_is_not_reproduced(model: nn.Module, ignore_index: int) -> str | None:
@@ -275,29 +272,6 @@ def _transform_statement(node: ast.Assign, name: str, parents: dict, model: nn.M
     return ops
 
 
-def transform_of(ops: list[tuple]) -> HeadTransform | str:
-    """The (scale, soft-cap) of elementwise operations in order (("mul", x), ("div", x),
-    ("tanh",)): linear ones before an optional tanh scale it, linear ones after it are the cap
-    (c·tanh(k·z): scale k·c, soft-cap c > 0); or why they are not of that form."""
-    tanh = [i for i, op in enumerate(ops) if op[0] == "tanh"]
-
-    def product(part: list[tuple]) -> float:
-        out = 1.0
-        for kind, x in part:
-            out = out * x if kind == "mul" else out / x
-        return out
-
-    if not tanh:
-        return product(ops), None
-    if len(tanh) > 1:
-        return "applies tanh more than once to its logits"
-    before, after = ops[: tanh[0]], ops[tanh[0] + 1 :]
-    cap = product(after)
-    if cap <= 0:
-        return f"scales tanh of its logits by {cap}, not a positive soft-cap"
-    return product(before) * cap, cap
-
-
 def _is_self_attribute(node: ast.AST | None, name: str) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name) and node.value.id == "self"
 
@@ -334,77 +308,6 @@ def _divided_by_denominator(
     if torch.is_tensor(denominator):
         denominator = denominator.to(summed.device)
     return summed / denominator
-
-
-_PASSED_THROUGH = {
-    torch.Tensor.__truediv__: "div", torch.Tensor.div: "div", torch.div: "div", torch.true_divide: "div",
-    torch.Tensor.__mul__: "mul", torch.Tensor.__rmul__: "mul", torch.Tensor.mul: "mul", torch.mul: "mul",
-    torch.tanh: "tanh", torch.Tensor.tanh: "tanh",
-}  # fmt: skip
-
-
-class FusedLossSum(torch.Tensor):
-    """The head's fused loss sum (0-dim), handed back where the logits would be, for a model whose
-    forward goes on to transform them elementwise (a soft-cap, a scale): the fused loss applied
-    that transform to every logit already, so the forward's ``/ x``, ``* x`` and ``tanh`` return
-    this value unchanged and are recorded (`ops`), and the loss function checks them against the
-    transform fused (`checked`). Any other operation gives a plain tensor."""
-
-    ops: list[tuple]
-
-    @classmethod
-    def wrap(cls, loss: torch.Tensor) -> FusedLossSum:
-        out = loss.as_subclass(cls)  # the same value and autograd graph
-        out.ops = []
-        return out
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kind = _PASSED_THROUGH.get(func)
-        if kind is not None and not kwargs and args and isinstance(args[0], cls):
-            value, rest = args[0], args[1:]
-            x = rest[0].item() if len(rest) == 1 and isinstance(rest[0], torch.Tensor) and rest[0].numel() == 1 else (
-                rest[0] if len(rest) == 1 else None)
-            if kind == "tanh" and not rest:
-                value.ops.append(("tanh",))
-                return value
-            if kind != "tanh" and isinstance(x, (int, float)) and not isinstance(x, bool):
-                value.ops.append((kind, float(x)))
-                return value
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-
-    def checked(self, expected: HeadTransform) -> torch.Tensor:
-        """The loss sum as a plain tensor, once the recorded operations are `expected`'s; raises
-        if the forward transformed the value otherwise (the fused loss would not be its loss)."""
-        got = transform_of(self.ops)
-        if isinstance(got, str) or not _same_transform(got, expected):
-            raise RuntimeError(
-                f"the fused loss applied the logit transform {expected} (scale, soft-cap) read from the model at set-up, "
-                f"but its forward applied {self.ops}; set AnisoConfig(fused_loss=False) and report the model"
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return self.as_subclass(torch.Tensor)
-
-
-def _same_transform(a: HeadTransform, b: HeadTransform) -> bool:
-    return math.isclose(a[0], b[0], rel_tol=1e-12) and (a[1] is None) == (b[1] is None) and (
-        a[1] is None or math.isclose(a[1], b[1], rel_tol=1e-12))
-
-
-def fused_sum(logits: torch.Tensor, transform: HeadTransform) -> torch.Tensor:
-    """The head's summed token loss from what the model's forward passed where its logits would
-    be (a 0-dim tensor): a `FusedLossSum` checked against `transform`, or, for the identity, the
-    tensor itself. Raises where a transform was expected and the value lost its wrapper (an
-    operation the forward applied that the fused loss did not)."""
-    if isinstance(logits, FusedLossSum):
-        return logits.checked(transform)
-    if transform != IDENTITY:
-        raise RuntimeError(
-            f"the fused loss expected the model's forward to pass its transformed sum through (transform {transform}), "
-            "but an operation it does not know replaced it; set AnisoConfig(fused_loss=False)"
-        )
-    return logits
 
 
 class FusedCausalLMLoss:
@@ -468,15 +371,13 @@ def install_fused_causal_loss(model: nn.Module, ignore_index: int, transform: He
 
 
 __all__ = [
-    "IDENTITY",
     "FusedCausalLMLoss",
     "FusedLabelSmoother",
-    "FusedLossSum",
-    "HeadTransform",
     "causal_loss_denominator",
     "fused_loss_transform",
-    "fused_sum",
     "install_fused_causal_loss",
-    "transform_of",
+    "label_alignment_in_forward",
+    "labels_passed_to",
+    "loss_divides_by_item_count",
     "why_loss_is_not_reproduced",
 ]
