@@ -88,7 +88,7 @@ def test_under_trained_text_table_and_plot_state_the_same_threshold(models, tmp_
     m, md = _written(models / "tok", tmp_path / "o")
     u = m["under_trained"]
     section = _section(md)
-    assert u["suspected"] >= 3 and f"Suspected (score ≥ 0.5): {u['suspected']:,}" in section
+    assert u["suspected"] >= 3 and f"Suspected (score ≥ 0.5): {u['suspected']:,}" in section and u["threshold"] == 0.5
     assert "| id | token | category | score (suspected ≥ 0.5) | input norm |" in section
     assert "None" not in section
     tok = transformers.AutoTokenizer.from_pretrained(models / "tok", local_files_only=True)
@@ -111,6 +111,7 @@ def test_under_trained_without_reference_or_tokenizer_says_there_is_no_threshold
     u = m["under_trained"]
     section = _section(md)
     assert u["suspected"] is None and max(c["score"] for c in u["candidates"]) > 1  # z-scores, not cosines
+    assert u["threshold"] is None  # report.json agrees: the norm ranking has none
     assert "None" not in section and "Suspected" not in section and "≥ 0.5" not in section
     assert "No threshold, nothing suspected" in section and "No tokenizer: each token is given by its id." in section
     assert "| id | category | norm z-score (no threshold) | input norm |" in section

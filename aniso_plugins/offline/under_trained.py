@@ -168,7 +168,7 @@ def find_under_trained(loaded: LoadedModel, counts: torch.Tensor | None = None,
     for c in candidates:
         by_category[c["category"]] = by_category.get(c["category"], 0) + 1
     return {
-        "indicator": indicator, "threshold": THRESHOLD, "reference": {"size": int(reference.sum()), "from": sources},
+        "indicator": indicator, "threshold": None if suspected is None else THRESHOLD, "reference": {"size": int(reference.sum()), "from": sources},
         "suspected": suspected, "verified": sum(bool(c.get("verified")) for c in candidates) if candidates and "verified" in candidates[0] else None,
         "candidates_by_category": by_category, "candidates": candidates,
         "csv": None if suspected is None else UNDER_TRAINED_CSV, "_suspects": [rows[i] for i in suspect_ids],
