@@ -28,6 +28,22 @@ def message(**kw) -> str:
 
 
 # --- 1. names in any case -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, written, stored, extra", [
+    ("spectrum_prior", "POLY", "poly", {}),
+    ("lowrank_init", "Random", "random", {"head": "lowrank", "lowrank_rank": 4}),
+    ("group_tokens", "Seen", "seen", {}),
+    ("uniformity_on", ("HEAD", "Hidden"), ("head", "hidden"), {}),
+    ("agg_parts", ("A", "C"), ("a", "c"), {}),
+    ("simcse_pooling", "MEAN", "mean", {"method": "simcse"}),
+])
+def test_plugin_owned_names_are_matched_in_any_case(field, written, stored, extra):
+    assert getattr(cfg(**{field: written, **extra}), field) == stored
+    name = stored if isinstance(stored, str) else stored[0]
+    misspelt = name + name[-1] if isinstance(stored, str) else (name + name[-1],)
+    assert f"did you mean '{name}'?" in message(**{field: misspelt, **extra})
+
 def test_method_metric_head_and_mismatch_names_are_matched_in_any_case_and_stored_as_listed():
     c = cfg(method="AGG", metrics="Geometry,FREQUENCY", head="LowRank", lowrank_rank=2, on_state_mismatch="Reset")
     assert (c.method, c.metrics, c.head, c.on_state_mismatch) == (("agg",), ("geometry", "frequency"), "lowrank", "reset")

@@ -29,6 +29,7 @@ class AGGOptions(Options):
     """AGG (Yu et al. 2022)."""
 
     SEQUENCES = {"special_ids": int, "agg_parts": str}
+    CHOICES = {"agg_parts": AGG_PARTS}
     STATE_FIELDS = ("alpha", "alpha_tokens", "rare_fraction", "special_ids")
     STATE_DEFAULTS = {"alpha": DEFAULT_ALPHA}  # a saved alpha=None (or 0.03, the old default) is 0.03
 

@@ -15,6 +15,7 @@ class HeadOptions(Options):
     """The low-rank head (seed 001 §3.1)."""
 
     STATE_FIELDS = ("lowrank_rank",)
+    CHOICES = {"lowrank_init": LOWRANK_INITS}
 
     lowrank_rank: int | None = None
     """Rank r < d of the low-rank head W = A·B."""

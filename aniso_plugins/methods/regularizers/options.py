@@ -27,6 +27,7 @@ class RegularizerOptions(Options):
     """CosReg."""
 
     SEQUENCES = {"reg_exclude_ids": int}
+    CHOICES = {"spectrum_prior": SPECTRUM_PRIORS}
 
     reg_weight: float = 1.0
     """γ of CosReg, λ of the hinge, λ of spectrum control."""

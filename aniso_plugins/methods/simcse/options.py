@@ -20,6 +20,8 @@ class SimCSEOptions(Options):
     ``−log exp(sim(h_i, h_i⁺)/τ) / Σ_j exp(sim(h_i, h_j⁺)/τ)`` (cosine similarity, in-batch
     negatives) pulls the two views together. Not combinable with the causal-LM methods."""
 
+    CHOICES = {"simcse_pooling": SIMCSE_POOLING}
+
     simcse_weight: float = 1.0
     """Weight of the SimCSE InfoNCE loss (the whole loss when the batch has no labels)."""
     simcse_temperature: float = 0.05

@@ -24,6 +24,7 @@ class UniformityOptions(Options):
     """Alignment and uniformity (Wang & Isola 2020) as a loss and a metric."""
 
     SEQUENCES = {"uniformity_on": str}
+    CHOICES = {"uniformity_on": UNIFORMITY_ON}
 
     uniformity_weight: float = 1.0
     """Weight of the uniformity regularizer (Wang & Isola 2020)."""

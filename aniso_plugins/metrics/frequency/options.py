@@ -7,12 +7,16 @@ from dataclasses import dataclass
 from aniso_plugins.core.errors import ConfigError
 from aniso_plugins.core.options import FloatList, Options, check_choice, list_field
 
+GROUP_TOKENS = ("vocabulary", "seen")
+"""The ids the group shares are of (``group_tokens``)."""
+
 
 @dataclass(frozen=True)
 class FrequencyOptions(Options):
     """Frequency groups (the AGG paper's rare / medium / frequent tokens)."""
 
     SEQUENCES = {"group_fractions": float}
+    CHOICES = {"group_tokens": GROUP_TOKENS}
 
     group_fractions: FloatList = list_field(0.2, 0.5, 0.3)
     """Rare / medium / frequent shares of the vocabulary for frequency groups (AGG seed)."""
@@ -22,7 +26,7 @@ class FrequencyOptions(Options):
     counted at least once; the others are in no group). The offline report uses "seen"."""
 
     def validate(self) -> None:
-        check_choice("group_tokens", self.group_tokens, ("vocabulary", "seen"))
+        check_choice("group_tokens", self.group_tokens, GROUP_TOKENS)
         fr = self.group_fractions
         if len(fr) != 3 or any(not (0 < f < 1) for f in fr) or abs(sum(fr) - 1) > 1e-6:
             raise ConfigError(
