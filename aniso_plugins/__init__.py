@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from aniso_plugins.core.version import __version__
 
 _EXPORTS: dict[str, str] = {
-    "TrainingHead": "aniso_plugins.methods.fused_loss.head",
     "AGGGatingWarning": "aniso_plugins.methods.agg.plugin",
     "AllButTheTop": "aniso_plugins.offline.postprocess",
     "AnisoConfig": "aniso_plugins.core.config",
@@ -23,10 +22,13 @@ _EXPORTS: dict[str, str] = {
     "Centering": "aniso_plugins.offline.postprocess",
     "ConfigError": "aniso_plugins.core.config",
     "CumulativeTargetCounts": "aniso_plugins.metrics.frequency.groups",
+    "DeepSpeedLossScale": "aniso_plugins.core.loss_scale",
+    "GradScaler": "aniso_plugins.core.session",
     "LabelAlignment": "aniso_plugins.core.targets",
     "LocalRows": "aniso_plugins.numerics.distributed",
     "LogitTransform": "aniso_plugins.methods.fused_loss.logit_transform",
     "LowRankHead": "aniso_plugins.methods.heads.lowrank",
+    "MicroBatchTargets": "aniso_plugins.core.targets",
     "ModelHandle": "aniso_plugins.core.model",
     "OutputEmbeddingsHandle": "aniso_plugins.models.handle",
     "Rotation": "aniso_plugins.offline.postprocess",
@@ -39,6 +41,8 @@ _EXPORTS: dict[str, str] = {
     "Stat": "aniso_plugins.numerics.reduce",
     "StateError": "aniso_plugins.core.state",
     "StepInfo": "aniso_plugins.core.steps",
+    "TargetRule": "aniso_plugins.core.targets",
+    "TrainingHead": "aniso_plugins.methods.fused_loss.head",
     "TrainingSession": "aniso_plugins.core.session",
     "Transform": "aniso_plugins.offline.postprocess",
     "TransformModule": "aniso_plugins.offline.postprocess",
@@ -55,8 +59,8 @@ _EXPORTS: dict[str, str] = {
     "effective_rank": "aniso_plugins.metrics.geometry.stats",
     "find_handle": "aniso_plugins.models.handle",
     "frequency_groups": "aniso_plugins.metrics.frequency.groups",
-    "fused_linear_cross_entropy": "aniso_plugins.methods.fused_loss.cross_entropy",
     "full_rows": "aniso_plugins.numerics.distributed",
+    "fused_linear_cross_entropy": "aniso_plugins.methods.fused_loss.cross_entropy",
     "gated_linear": "aniso_plugins.methods.fused_loss.linear",
     "gradient_bottleneck": "aniso_plugins.metrics.bottleneck.probe",
     "hookimpl": "aniso_plugins.core.hookspecs",
@@ -69,6 +73,7 @@ _EXPORTS: dict[str, str] = {
     "mean_cosine": "aniso_plugins.metrics.geometry.stats",
     "merge_low_rank": "aniso_plugins.methods.heads.lowrank",
     "merge_low_rank_heads": "aniso_plugins.methods.heads.lowrank",
+    "micro_batch_targets": "aniso_plugins.core.targets",
     "normalized_singular_values": "aniso_plugins.metrics.geometry.stats",
     "outlier_stats": "aniso_plugins.offline.postprocess",
     "principal_variance_share": "aniso_plugins.metrics.geometry.stats",
@@ -78,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "singular_entropy": "aniso_plugins.metrics.geometry.stats",
     "spectrum": "aniso_plugins.metrics.geometry.stats",
     "spectrum_penalty": "aniso_plugins.methods.regularizers.penalties",
+    "target_rule": "aniso_plugins.core.targets",
     "w_error": "aniso_plugins.metrics.geometry.stats",
     "weight_singular_values": "aniso_plugins.methods.regularizers.penalties",
 }
@@ -103,12 +109,21 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.errors import AnisoError
     from aniso_plugins.core.hookspecs import hookimpl
     from aniso_plugins.core.loss import attach_loss
+    from aniso_plugins.core.loss_scale import DeepSpeedLossScale
     from aniso_plugins.core.model import ModelHandle, SetupError, detach
     from aniso_plugins.core.plugins import AnisoPlugins
-    from aniso_plugins.core.session import TrainingSession
+    from aniso_plugins.core.session import GradScaler, TrainingSession
     from aniso_plugins.core.state import StateError, load_state, save_state
     from aniso_plugins.core.steps import RunInfo, StepInfo
-    from aniso_plugins.core.targets import LabelAlignment, causal_targets, sequence_ids
+    from aniso_plugins.core.targets import (
+        LabelAlignment,
+        MicroBatchTargets,
+        TargetRule,
+        causal_targets,
+        micro_batch_targets,
+        sequence_ids,
+        target_rule,
+    )
     from aniso_plugins.methods.agg.counter import SlidingTokenCounter
     from aniso_plugins.methods.agg.plugin import AGGGatingWarning
     from aniso_plugins.methods.agg.gates import agg_gates
@@ -156,7 +171,6 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
 
 __all__ = [
     "__version__",
-    "TrainingHead",
     "AGGGatingWarning",
     "AllButTheTop",
     "AnisoConfig",
@@ -165,10 +179,13 @@ __all__ = [
     "Centering",
     "ConfigError",
     "CumulativeTargetCounts",
+    "DeepSpeedLossScale",
+    "GradScaler",
     "LabelAlignment",
     "LocalRows",
     "LogitTransform",
     "LowRankHead",
+    "MicroBatchTargets",
     "ModelHandle",
     "OutputEmbeddingsHandle",
     "Rotation",
@@ -181,6 +198,8 @@ __all__ = [
     "Stat",
     "StateError",
     "StepInfo",
+    "TargetRule",
+    "TrainingHead",
     "TrainingSession",
     "Transform",
     "TransformModule",
@@ -197,8 +216,8 @@ __all__ = [
     "effective_rank",
     "find_handle",
     "frequency_groups",
-    "fused_linear_cross_entropy",
     "full_rows",
+    "fused_linear_cross_entropy",
     "gated_linear",
     "gradient_bottleneck",
     "hookimpl",
@@ -211,6 +230,7 @@ __all__ = [
     "mean_cosine",
     "merge_low_rank",
     "merge_low_rank_heads",
+    "micro_batch_targets",
     "normalized_singular_values",
     "outlier_stats",
     "principal_variance_share",
@@ -220,6 +240,7 @@ __all__ = [
     "singular_entropy",
     "spectrum",
     "spectrum_penalty",
+    "target_rule",
     "w_error",
     "weight_singular_values",
 ]

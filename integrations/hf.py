@@ -55,8 +55,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TrainingSession, alignment_of
-from aniso_plugins.core.targets import TargetRule, micro_batch_targets, target_rule
+from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TargetRule, TrainingSession, alignment_of
+from aniso_plugins import micro_batch_targets, target_rule
 from aniso_plugins.models.causal_loss import FusedLabelSmoother, install_fused_causal_loss
 from aniso_plugins.models.handle import peft_base_model
 from aniso_plugins.integrations import hf_console, hf_layout, hf_trl

@@ -6,11 +6,7 @@ whether the fused loss reproduces the model's own (a soft-cap or scale of its lo
 
 from __future__ import annotations
 
-from aniso_plugins import OutputEmbeddingsHandle
-from aniso_plugins import LogitTransform
-from aniso_plugins.core.loss_scale import DeepSpeedLossScale
-from aniso_plugins.core.session import GradScaler
-from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, HeadTransform
+from aniso_plugins import DeepSpeedLossScale, GradScaler, LogitTransform, OutputEmbeddingsHandle
 from aniso_plugins.models.causal_loss import fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.models.handle import peft_base_model
 
@@ -36,7 +32,7 @@ def fused_loss_refusal(trainer: Trainer, handle: OutputEmbeddingsHandle, ignore_
     model's transform does not survive): there it stays on the gated head."""
     why_not, transform = fused_loss_transform(handle.model, ignore_index)
     handle.logit_transform = None
-    if why_not is not None or transform == IDENTITY:
+    if why_not is not None or LogitTransform(*transform).identity:
         return why_not
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         engine = "FSDP" if trainer.is_fsdp_enabled else "DeepSpeed"
@@ -45,10 +41,10 @@ def fused_loss_refusal(trainer: Trainer, handle: OutputEmbeddingsHandle, ignore_
     return None
 
 
-def head_transform(handle: OutputEmbeddingsHandle) -> HeadTransform:
+def head_transform(handle: OutputEmbeddingsHandle) -> tuple[float, float | None]:
     """``handle.logit_transform`` as the loss functions check it: (scale, soft-cap)."""
-    transform = handle.logit_transform
-    return IDENTITY if transform is None else (transform.scale, transform.softcap)
+    transform = handle.logit_transform or LogitTransform()
+    return transform.scale, transform.softcap
 
 
 def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle, supplies_loss: bool = False) -> float:

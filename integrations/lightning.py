@@ -62,9 +62,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from aniso_plugins import AnisoConfig, ModelHandle, OutputEmbeddingsHandle, SetupError, TrainingSession, alignment_of, find_handle
-from aniso_plugins.core.loss_scale import DeepSpeedLossScale
-from aniso_plugins.core.targets import TargetRule, target_rule
+from aniso_plugins import (
+    AnisoConfig, DeepSpeedLossScale, ModelHandle, OutputEmbeddingsHandle, SetupError, TargetRule, TrainingSession, alignment_of,
+    find_handle, target_rule,
+)
 from aniso_plugins.models.causal_loss import install_fused_causal_loss, why_loss_is_not_reproduced
 
 try:

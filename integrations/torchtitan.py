@@ -82,8 +82,7 @@ from typing import Annotated, Any
 import torch
 from torch import nn
 
-from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, TrainingSession, sequence_ids
-from aniso_plugins.core.targets import MicroBatchTargets
+from aniso_plugins import AnisoConfig, ConfigError, MicroBatchTargets, ModelHandle, SetupError, TrainingSession, sequence_ids
 from aniso_plugins.integrations.torchtitan_layout import TitanLayout, layout_of
 from aniso_plugins.numerics.distributed import set_world
 
