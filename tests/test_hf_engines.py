@@ -235,7 +235,7 @@ def test_layouts_the_trainer_cannot_serve_are_refused_at_construction(parallelis
     from hf_utils import tiny_llama
     from torch.distributed.fsdp import ShardingStrategy
 
-    from aniso_plugins.integrations.hf_layout import refusal as refusal_of
+    from aniso_plugins.integrations.hf.layout import refusal as refusal_of
 
     plugin = SimpleNamespace(reshard_after_forward=getattr(ShardingStrategy, fsdp_strategy)) if fsdp_strategy else None
     trainer = SimpleNamespace(

@@ -1,5 +1,5 @@
 """TRL's SFTTrainer (trl 1.x, real) with AnisoCallback: its fused LM head runs through the model's
-head (integrations/hf_trl.py). References are written out here in float64 from what the run fed
+head (integrations/hf/trl.py). References are written out here in float64 from what the run fed
 its head: the head's input and the labels of the fused call."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
-from aniso_plugins.integrations.hf_trl import fused_outputs_from_logits
+from aniso_plugins.integrations.hf.trl import fused_outputs_from_logits
 from hf_utils import tiny_llama
 from references import agg_output_grad, regularizer_grad
 from test_reliability import assert_unchanged, fingerprint

@@ -1,75 +1,30 @@
-"""Hugging Face Trainer adapter: one callback.
-
-    from aniso_plugins import AnisoConfig
-    from aniso_plugins.integrations.hf import AnisoCallback
-
-    trainer = Trainer(model=model, args=args, train_dataset=ds,
-                      callbacks=[AnisoCallback(AnisoConfig(method="agg"))])
-
-What the callback does with the Trainer (transformers 5.x; docs/design.md walks through it):
-
-- ``on_init_end`` (inside ``Trainer.__init__``, before the optimizer exists and before
-  accelerate wraps the model): callbacks are never handed the Trainer, so the callback finds
-  the Trainer that is constructing it on the call stack (or use `attach(trainer)` for one
-  built earlier), checks everything it can refuse, and sets up after every other callback's
-  ``on_init_end`` has run, so a ``Trainer(...)`` that fails leaves the model as it was. Set-up:
-  head surgery through `aniso_plugins.TrainingSession.setup`; (1) it moves itself right after
-  ``DefaultFlowCallback``, before the reporters, so metrics it adds in ``on_log`` reach
-  TensorBoard / W&B / every ``report_to``; (2) wraps the instance's ``training_step`` (sees
-  each training micro-batch's labels before the forward, also when a ``compute_loss_func``
-  later pops them) and ``prediction_step`` (evaluation labels; with ``predict_with_generate``
-  the generation steps are not evaluation logits); (3) wraps ``train`` to learn which
-  checkpoint a run resumes from, and ``model_init`` (hyperparameter search) to set up on every
-  model the Trainer builds.
-- TRL's ``SFTTrainer`` (a Trainer subclass): its fused LM head, which reads ``lm_head.weight``
-  without calling the head, is run through the model's head (`hf_trl.route_through_head`);
-  TRL's other trainers are refused at construction.
-- The LM head is the module that makes the logits
-  (`aniso_plugins.models.handle.output_projection`), or the callback's ``head=`` path.
-- Targets: as the model's own loss aligns them (`aniso_plugins.models.alignment.alignment_of`: causal
-  LMs shifted, masked LMs and encoder-decoders' decoder labels as they are, ``shift_labels``
-  when the collator gives them), or the callback's ``targets=``; packed batches
-  (``DataCollatorWithFlattening``) are split into their examples by ``position_ids``
-  (``seq_idx``, ``cu_seq_lens_q``). PEFT models are unwrapped to the base model's head.
-- Loss terms are attached in the LM head's forward on the last micro-batch of each optimizer
-  step: their gradient reaches the weights before clipping, once per step, and DDP averages
-  identical per-rank contributions (no double counting).
-- Metrics are measured on every rank at the Trainer's logging steps (or every ``metrics_every``
-  steps) and added to the Trainer's log record (the printed one shows a summary: `hf_console`);
-  evaluation metrics after ``evaluate()`` under ``eval_aniso/...``.
-- Plugin state is written to ``checkpoint-N/aniso_state.safetensors`` on save and restored
-  at ``train(resume_from_checkpoint=...)``.
-"""
+"""`AnisoCallback`: the HF adapter's events (the package docstring, `aniso_plugins.integrations.hf`, says what it
+does with the Trainer); its patches are `patches`, its layout `layout`, TRL's route `trl`."""
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
-import re
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_callback import DefaultFlowCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy
 
 from aniso_plugins import AnisoConfig, OutputEmbeddingsHandle, SetupError, TargetRule, TrainingSession, alignment_of
 from aniso_plugins import micro_batch_targets, target_rule
 from aniso_plugins.models.causal_loss import FusedLabelSmoother, install_fused_causal_loss
 from aniso_plugins.models.handle import peft_base_model
-from aniso_plugins.integrations import hf_console, hf_layout, hf_trl
-from aniso_plugins.integrations.hf_layout import loss_scaler, model_loss_scale
-
-try:
-    from transformers import PreTrainedModel, Trainer, TrainerCallback
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    from transformers.trainer import TRAINER_STATE_NAME
-    from transformers.trainer_callback import DefaultFlowCallback
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, IntervalStrategy, get_last_checkpoint
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError('aniso_plugins.integrations.hf needs transformers: pip install "aniso-plugins[hf]"') from e
+import aniso_plugins.integrations.hf.layout as layout
+import aniso_plugins.integrations.hf.patches as patches
+import aniso_plugins.integrations.hf.trl as trl
+from aniso_plugins.integrations.hf.checkpoints import newest_complete_checkpoint
+from aniso_plugins.integrations.hf.layout import loss_scaler, model_loss_scale
 
 logger = logging.getLogger("aniso_plugins.hf")
 
@@ -84,17 +39,6 @@ def hf_handle(model: nn.Module, head: str | None = None) -> OutputEmbeddingsHand
     if not isinstance(base, PreTrainedModel):
         raise SetupError(f"AnisoCallback needs a transformers PreTrainedModel (or a PEFT model of one), got {type(model).__name__}")
     return OutputEmbeddingsHandle(model, head=head)
-
-
-def _constructing_trainer() -> Trainer | None:
-    """The `Trainer` whose ``__init__`` is on the call stack (callbacks are not given it)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 class AnisoCallback(TrainerCallback):
@@ -131,9 +75,9 @@ class AnisoCallback(TrainerCallback):
         self._resume_dir: str | None = None
         self._measure_next = False
         self._supplying = False
-        self._wrappers: dict[str, Any] = {}
-        self._owned = False  # built by AnisoTrainerMixin: its class methods do what _wrap does
-        self._trl_unroute: Callable[[], None] | None = None  # removes hf_trl.route_through_head's hooks
+        self._patches: patches.Patches = {}
+        self._owned = False  # built by AnisoTrainerMixin: its class methods do what patches.wrap_trainer does
+        self._trl_unroute: Callable[[], None] | None = None  # removes trl.route_through_head's hooks
         self._console_undo: Callable[[], None] = lambda: None  # gives the Trainer's printer its on_log back
 
     # --- wiring -----------------------------------------------------------------------------
@@ -153,8 +97,8 @@ class AnisoCallback(TrainerCallback):
         handler.callbacks.insert(flow[-1] + 1 if flow else 0, self)
         try:
             if not self._owned:
-                self._wrap(trainer)
-            self._console_undo = hf_console.condense_printed_logs(trainer, self.session)
+                self._patches = patches.wrap_trainer(trainer, self)
+            self._console_undo = patches.condense_printed_logs(trainer, self.session)
             if self.session.handle is None:
                 self._set_up(trainer.model)
         except BaseException:
@@ -172,16 +116,16 @@ class AnisoCallback(TrainerCallback):
                 "this Trainer has two AnisoCallbacks: use one AnisoCallback per Trainer, with all methods and metrics "
                 "in its AnisoConfig (method=('agg', 'simctg'), metrics=(...))"
             )
-        wrapped = [name for name in _WRAPPED if name in trainer.__dict__]
+        wrapped = [name for name in patches.WRAPPED if name in trainer.__dict__]
         if wrapped:
             raise SetupError(
                 f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
                 "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
             )
-        trl_refusal = hf_trl.refusal(trainer)
+        trl_refusal = trl.refusal(trainer)
         if trl_refusal is not None:
             raise SetupError(trl_refusal)
-        layout_refusal = hf_layout.refusal(trainer)
+        layout_refusal = layout.refusal(trainer)
         if layout_refusal is not None:
             raise SetupError(layout_refusal)
         if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != ("none",):
@@ -209,15 +153,12 @@ class AnisoCallback(TrainerCallback):
         why_not = _why_loss_is_not_reproduced(self.trainer, handle, self.config)
         self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")
         self._unroute_trl()
-        if hf_trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
-            self._trl_unroute = hf_trl.route_through_head(model, self.trainer)
+        if trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
+            self._trl_unroute = trl.route_through_head(model, self.trainer)
         if self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
-            transform = hf_layout.head_transform(handle)
+            transform = layout.head_transform(handle)
             handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index, transform))
-            smoother = self.trainer.label_smoother
-            if smoother is not None and "label_smoother" not in self._wrappers:
-                self._wrappers["label_smoother"] = (FusedLabelSmoother(smoother, transform), smoother)
-                self.trainer.label_smoother = self._wrappers["label_smoother"][0]
+            patches.patch_label_smoother(self.trainer, self._patches, lambda smoother: FusedLabelSmoother(smoother, transform))
         self._rule = rule
 
     def _unroute_trl(self) -> None:
@@ -238,52 +179,12 @@ class AnisoCallback(TrainerCallback):
         if trainer is None:
             return
         self._console_undo()
-        for name, (wrapper, original) in self._wrappers.items():
-            if trainer.__dict__.get(name) is wrapper:
-                if original is None:
-                    del trainer.__dict__[name]  # the class's method again
-                else:
-                    trainer.__dict__[name] = original  # an attribute of the instance (model_init)
-        self._wrappers = {}
+        patches.unwrap(trainer, self._patches)
+        self._patches = {}
         if self in trainer.callback_handler.callbacks:
             trainer.callback_handler.callbacks.remove(self)
 
-    def _wrap(self, trainer: Trainer) -> None:
-        """The callback route: the Trainer's methods wrapped on the instance (`AnisoTrainerMixin`
-        overrides them in its class instead); both call the same methods below."""
-        training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
-        compute_loss, model_init = trainer.compute_loss, trainer.model_init
-
-        def training_step_with_targets(model, inputs, num_items_in_batch=None):
-            self.before_training_step(inputs)
-            return training_step(model, inputs, num_items_in_batch)
-
-        def compute_loss_or_supplied(model, inputs, return_outputs=False, num_items_in_batch=None):
-            if self.supplying(model):
-                return self.supplied_loss(trainer, model, inputs, return_outputs, num_items_in_batch)
-            return compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-
-        def prediction_step_with_targets(model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
-            with self.predicting(trainer, inputs):
-                return prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
-
-        def train_remembering_checkpoint(resume_from_checkpoint=None, *args, **kwargs):
-            return train(self.resume_checkpoint(trainer, resume_from_checkpoint), *args, **kwargs)
-
-        wrappers: dict[str, tuple[Callable, Callable | None]] = {
-            "training_step": (training_step_with_targets, None),
-            "prediction_step": (prediction_step_with_targets, None),
-            "train": (train_remembering_checkpoint, None),
-        }
-        if self.session.supplies_loss:
-            wrappers["compute_loss"] = (compute_loss_or_supplied, None)
-        if model_init is not None:  # train() builds a new model: set up on it before its optimizer exists
-            wrappers["model_init"] = (_with_set_up(model_init, self._set_up), model_init)
-        self._wrappers = wrappers
-        for name, (wrapper, _) in wrappers.items():
-            setattr(trainer, name, wrapper)
-
-    # --- what both routes call (the callback's wrappers, AnisoTrainerMixin's overrides) -----------
+    # --- what both routes call (patches.wrap_trainer's wrappers, AnisoTrainerMixin's overrides) -----
     def supplying(self, model: nn.Module) -> bool:
         """Whether this training micro-batch trains on the plugins' supplied loss (label-free)."""
         return model.training and self._supplying
@@ -302,7 +203,7 @@ class AnisoCallback(TrainerCallback):
         """Around ``Trainer.prediction_step``: its logits are evaluation logits for the batch's
         targets (not those of ``generate()`` under ``predict_with_generate``)."""
         targets = self._rule.read(inputs, self.config.ignore_index).targets if self._rule is not None else None
-        with self.session.evaluating(targets), self._generation_not_evaluated(trainer):
+        with self.session.evaluating(targets), patches.generation_not_evaluated(trainer, self.session):
             yield
 
     def resume_checkpoint(self, trainer: Trainer, resume_from_checkpoint: str | bool | None) -> str | None:
@@ -313,31 +214,6 @@ class AnisoCallback(TrainerCallback):
             ckpt = newest_complete_checkpoint(trainer.args.output_dir) if ckpt else None
         self._resume_dir = ckpt
         return ckpt
-
-    @contextlib.contextmanager
-    def _generation_not_evaluated(self, trainer: Trainer) -> Iterator[None]:
-        """Under ``predict_with_generate`` (`Seq2SeqTrainer`), the head outputs of
-        ``trainer.model.generate`` are generation steps, not the evaluation logits of the
-        labelled forward that follows."""
-        model = trainer.model
-        if not getattr(trainer.args, "predict_with_generate", False) or not callable(getattr(model, "generate", None)):
-            yield
-            return
-        own = model.__dict__.get("generate")
-        generate = model.generate
-
-        def generate_unseen(*args, **kwargs):
-            with self.session.not_evaluating():
-                return generate(*args, **kwargs)
-
-        model.__dict__["generate"] = generate_unseen
-        try:
-            yield
-        finally:
-            if own is None:
-                model.__dict__.pop("generate", None)
-            else:
-                model.__dict__["generate"] = own
 
     def before_training_step(self, inputs: dict[str, Any]) -> None:
         """A training micro-batch is about to run: announce its targets to the session."""
@@ -365,7 +241,7 @@ class AnisoCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         if self._owned:
             return  # AnisoTrainerMixin attaches it once Trainer.__init__ has succeeded
-        trainer = _constructing_trainer()
+        trainer = patches.constructing_trainer()
         if trainer is None:
             logger.warning("AnisoCallback could not find the Trainer being constructed; call callback.attach(trainer) "
                            "before train()")
@@ -462,63 +338,6 @@ class AnisoCallback(TrainerCallback):
             self.session.save(directory)
 
 
-class AnisoTrainerMixin:
-    """The route transformers documents for changing the training loop, a `Trainer` subclass:
-    ``class MyTrainer(AnisoTrainerMixin, Seq2SeqTrainer): ...`` or `AnisoTrainer`. It takes
-    ``aniso=AnisoConfig(...)`` (and ``aniso_plugins=``, ``aniso_targets=``, ``aniso_head=``, as
-    `AnisoCallback`'s ``plugins``, ``targets`` and ``head``) and does exactly what the callback does,
-    through the callback's own methods, but overrides ``training_step``, ``compute_loss``,
-    ``prediction_step``, ``train`` and ``call_model_init`` in the class (nothing is replaced on
-    the instance, no call stack is read) and sets up once ``Trainer.__init__`` has returned.
-    ``self.aniso`` is its `AnisoCallback` (``self.aniso.session``, ``self.aniso.detach()``)."""
-
-    def __init__(
-        self,
-        *args: Any,
-        aniso: AnisoConfig | None = None,
-        aniso_plugins: Iterable[object] = (),
-        aniso_targets: Callable[[Any], torch.Tensor] | str | None = None,
-        aniso_head: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.aniso = AnisoCallback(aniso, aniso_plugins, targets=aniso_targets, head=aniso_head)
-        self.aniso._owned = True
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.aniso]
-        super().__init__(*args, **kwargs)
-        self.aniso.attach(self)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self.aniso.before_training_step(inputs)
-        return super().training_step(model, inputs, num_items_in_batch)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.aniso.supplying(model):
-            return self.aniso.supplied_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
-        with self.aniso.predicting(self, inputs):
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
-
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        return super().train(self.aniso.resume_checkpoint(self, resume_from_checkpoint), *args, **kwargs)
-
-    def call_model_init(self, trial=None):
-        model = super().call_model_init(trial)
-        if self.aniso.trainer is self:  # a model built by train(): set up before its optimizer exists
-            self.aniso._set_up(model)
-        return model
-
-
-class AnisoTrainer(AnisoTrainerMixin, Trainer):
-    """`transformers.Trainer` with aniso_plugins: ``AnisoTrainer(model=..., args=...,
-    train_dataset=..., aniso=AnisoConfig(method="agg"))``; see `AnisoTrainerMixin`."""
-
-
-_WRAPPED = ("training_step", "prediction_step", "train", "compute_loss")
-"""Trainer methods the callback wraps on the instance (and refuses to wrap twice)."""
-
-
 class _AttachAfterInit(TrainerCallback):
     """Appended by `AnisoCallback.on_init_end` to run last in the same ``on_init_end`` pass:
     attaches the callback once every other callback's ``on_init_end`` has succeeded, then
@@ -532,38 +351,19 @@ class _AttachAfterInit(TrainerCallback):
         self.callback.attach(self.trainer)
 
 
-def _with_set_up(model_init: Callable, set_up: Callable[[nn.Module], None]) -> Callable:
-    """`model_init` (0 or 1 argument, as ``Trainer.call_model_init`` counts them) followed by
-    `set_up` on the model it returns."""
-    if len(inspect.signature(model_init).parameters) == 0:
-
-        def fresh_model():
-            model = model_init()
-            set_up(model)
-            return model
-
-        return fresh_model
-
-    def fresh_model_for(trial):
-        model = model_init(trial)
-        set_up(model)
-        return model
-
-    return fresh_model_for
-
-
 def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle, config: AnisoConfig) -> str | None:
     """None if the fused loss reproduces `trainer`'s training loss of the handle's model exactly
-    (``Trainer.compute_loss`` of a conventional causal LM, `hf_layout.fused_loss_refusal`), else why not."""
+    (``Trainer.compute_loss`` of a conventional causal LM, `layout.fused_loss_refusal`), else why not."""
     if trainer.compute_loss_func is not None:
         return "the Trainer has a compute_loss_func, which computes the loss from the logits"
-    own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c not in (Trainer, AnisoTrainerMixin)]
+    own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c is not Trainer
+           and not c.__module__.startswith(__package__)]  # AnisoTrainerMixin's is the Trainer's
     if own:
         return f"{own[0]}.compute_loss replaces the Trainer's loss"
     name = handle.model._get_name()
     if trainer.label_smoother is not None and name not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         return f"label smoothing of {name}, which the Trainer does not shift as a causal LM"
-    return hf_layout.fused_loss_refusal(trainer, handle, config.ignore_index)  # sets handle.logit_transform
+    return layout.fused_loss_refusal(trainer, handle, config.ignore_index)  # sets handle.logit_transform
 
 
 def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bool:
@@ -575,26 +375,4 @@ def _trainer_divides_by_accumulation(trainer: Trainer, num_items_in_batch) -> bo
     return not scaled
 
 
-def newest_complete_checkpoint(output_dir: str) -> str | None:
-    """The highest-step ``checkpoint-N`` folder of `output_dir` that the Trainer finished saving
-    (it holds ``trainer_state.json``, written after the model and optimizer), or None. A newer
-    folder without it is a save that was interrupted; resuming from it would fail, so it is
-    skipped with a warning (transformers' ``get_last_checkpoint`` takes the highest number)."""
-    if not os.path.isdir(output_dir):
-        return None
-    newest = get_last_checkpoint(output_dir)
-    complete = [
-        os.path.join(output_dir, name)
-        for name in os.listdir(output_dir)
-        if re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-\d+", name)
-        and os.path.exists(os.path.join(output_dir, name, TRAINER_STATE_NAME))
-    ]
-    best = max(complete, key=lambda path: int(path.rsplit("-", 1)[1]), default=None)
-    if newest is not None and best != newest:
-        logger.warning(
-            "%s is incomplete (no %s: its save was interrupted); resuming from %s", newest, TRAINER_STATE_NAME, best
-        )
-    return best
-
-
-__all__ = ["AnisoCallback", "AnisoTrainer", "AnisoTrainerMixin", "hf_handle", "newest_complete_checkpoint"]
+__all__ = ["AnisoCallback", "hf_handle"]

@@ -10,10 +10,7 @@ from aniso_plugins import DeepSpeedLossScale, GradScaler, LogitTransform, Output
 from aniso_plugins.models.causal_loss import fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.models.handle import peft_base_model
 
-try:
-    from transformers import Trainer
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError('aniso_plugins.integrations.hf_layout needs transformers: pip install "aniso-plugins[hf]"') from e
+from transformers import Trainer
 
 
 def loss_scaler(trainer: Trainer) -> GradScaler | None:
