@@ -277,8 +277,12 @@ class AGGPlugin(Plugin):
 
     def _check_gating(self, counter: SlidingTokenCounter, step: StepInfo) -> None:
         """Once the window is full (the step ending is the K-th in it), warn once when the rare
-        group holds none of the window's target tokens, or more than half of them."""
+        group holds none of the window's target tokens, or more than half of them. Checked at the
+        step that fills the window and at measurement steps (which read the device anyway), not
+        at every step: the share is a read of the counts back to the host."""
         if self._gating_warned or self.last_gates is None or counter.step_index < counter.window:
+            return
+        if counter.step_index != counter.window and not step.measure:
             return
         counts = counter.counts()
         total = int(counts.sum())
