@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "MicroBatchTargets": "aniso_plugins.core.targets",
     "ModelHandle": "aniso_plugins.core.model",
     "OutputEmbeddingsHandle": "aniso_plugins.models.handle",
+    "ParallelLayout": "aniso_plugins.core.layout",
     "Rotation": "aniso_plugins.offline.postprocess",
     "RowGates": "aniso_plugins.methods.fused_loss.row_gates",
     "RunInfo": "aniso_plugins.core.steps",
@@ -108,6 +109,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.config import AnisoConfig, ConfigError
     from aniso_plugins.core.errors import AnisoError
     from aniso_plugins.core.hookspecs import hookimpl
+    from aniso_plugins.core.layout import ParallelLayout
     from aniso_plugins.core.loss import attach_loss
     from aniso_plugins.core.loss_scale import DeepSpeedLossScale
     from aniso_plugins.core.model import ModelHandle, SetupError, detach
@@ -188,6 +190,7 @@ __all__ = [
     "MicroBatchTargets",
     "ModelHandle",
     "OutputEmbeddingsHandle",
+    "ParallelLayout",
     "Rotation",
     "RowGates",
     "RunInfo",

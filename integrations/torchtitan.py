@@ -82,9 +82,9 @@ from typing import Annotated, Any
 import torch
 from torch import nn
 
-from aniso_plugins import AnisoConfig, ConfigError, MicroBatchTargets, ModelHandle, SetupError, TrainingSession, sequence_ids
-from aniso_plugins.integrations.torchtitan_layout import TitanLayout, layout_of
-from aniso_plugins.numerics.distributed import set_world
+from aniso_plugins import AnisoConfig, ConfigError, MicroBatchTargets, ModelHandle, ParallelLayout, SetupError, TrainingSession
+from aniso_plugins import sequence_ids
+from aniso_plugins.integrations.torchtitan_layout import layout_of
 
 try:
     import tyro
@@ -119,14 +119,12 @@ class TitanModelHandle(ModelHandle):
     instance forward to its class forward between input and output redistributions, which
     change no value under data parallelism and under tensor parallelism with the spmd_types
     backend (input replicated to replicated, output vocabulary-sharded to vocabulary-sharded:
-    loss parallel). `vocab_mesh`: the ``tp`` mesh when tensor parallelism is on."""
+    loss parallel: the layout's ``vocab_mesh``, `layout_of`)."""
 
     framework_wraps_head_forward = True
 
-    def __init__(self, model: nn.Module, vocab_mesh=None, sequence_mesh=None) -> None:
+    def __init__(self, model: nn.Module) -> None:
         super().__init__(model, head="lm_head", input_embedding="tok_embeddings", blocks="layers")
-        self.vocab_mesh = vocab_mesh
-        self.sequence_mesh = sequence_mesh
         self._vocab_size = self.head().weight.shape[0]  # the DTensor's global rows (a shard inside the forward)
 
     @property
@@ -277,34 +275,10 @@ class AnisoCheckpointManager(CheckpointManager):
 
 
 # --- the connection between one trainer and one session ----------------------------------------
-def _layout(trainer: Trainer) -> TitanLayout:
-    return layout_of(trainer.parallel_dims, trainer.config.parallelism.enable_sequence_parallel,
-                     getattr(trainer, "num_pipeline_parallel_microbatches", 1))
-
-
 def _head_part(trainer: Trainer) -> nn.Module | None:
     """The model part of this rank that holds the LM head (the last one of the last pipeline
     stage; the whole model without pipeline parallelism), or None."""
     return next((part for part in reversed(trainer.model_parts) if getattr(part, "lm_head", None) is not None), None)
-
-
-def _splits_backward(schedule) -> bool:
-    """Whether a pipeline schedule runs separate input- and weight-gradient backwards (zero bubble)."""
-    from torch.distributed.pipelining.schedules import _ComputationType
-
-    order = getattr(schedule, "pipeline_order", None) or {}
-    return any(action is not None and action.computation_type == _ComputationType.BACKWARD_INPUT
-               for actions in order.values() for action in actions)
-
-
-def _refuse_split_blocks(config: AnisoConfig, parallel_dims) -> None:
-    """Metrics of every block's outputs cannot be measured where pipeline stages split the blocks."""
-    split = [m for m in config.metrics if m in ("hidden", "ethayarajh")]
-    if split and parallel_dims.pp > 1:
-        raise SetupError(
-            f"metrics {split} under pipeline parallelism (pp={parallel_dims.pp}): the blocks are split over the "
-            "pipeline stages and each stage sees only its own; measure them in a run without pipeline parallelism"
-        )
 
 
 def _check_setup(trainer: Trainer, config: AnisoConfig) -> AnisoChunkedLoss:
@@ -326,11 +300,6 @@ def _check_setup(trainer: Trainer, config: AnisoConfig) -> AnisoChunkedLoss:
         )
     if config.ignore_index != IGNORE_INDEX:
         raise ConfigError(f"ignore_index={config.ignore_index!r}: torchtitan's labels use {IGNORE_INDEX}")
-    if config.head != "keep":
-        raise ConfigError(
-            f"head={config.head!r}: the torchtitan adapter keeps the model's head (torchtitan builds the model "
-            "from its config; untie with the model config's enable_weight_tying=False)"
-        )
     return loss
 
 
@@ -351,37 +320,28 @@ class AnisoRuntime:
         """The runtime of this rank, or None on a pipeline stage without the LM head (there is
         nothing to count, gate or measure there; the stage's ranks run stock torchtitan).
         Collective: every rank calls it (the pipeline stages' groups are created here)."""
-        _refuse_split_blocks(config, trainer.parallel_dims)
-        layout = _layout(trainer)
-        set_world(layout.stage_group)
+        layout = layout_of(trainer)
+        TrainingSession(config).check_layout(layout)  # every stage refuses alike, those without the head too
         if _head_part(trainer) is None:
             logger.info("aniso_plugins: this pipeline stage holds no LM head; nothing runs on it")
             return None
         return cls(trainer, config, checkpointer, layout)
 
-    def __init__(self, trainer: Trainer, config: AnisoConfig, checkpointer, layout: TitanLayout | None = None) -> None:
+    def __init__(self, trainer: Trainer, config: AnisoConfig, checkpointer, layout: ParallelLayout | None = None) -> None:
         loss = _check_setup(trainer, config)
-        _refuse_split_blocks(config, trainer.parallel_dims)
-        layout = layout if layout is not None else _layout(trainer)
+        layout = layout if layout is not None else layout_of(trainer)
         model = _head_part(trainer)
         if model is None:
             raise SetupError("aniso_plugins: no model part of this rank holds the LM head (use AnisoRuntime.connect)")
         session = TrainingSession(config)
-        self.layout = layout
         self.trainer = trainer
         self.session = session
         # the loss can come from the head only where it is the plain cross-entropy the head computes
         plain = type(loss.loss_fn) is CrossEntropyLoss
         why_not = "" if plain else f"the inner loss is {type(loss.loss_fn).__name__}, not torchtitan's cross-entropy"
-        handle = TitanModelHandle(model, layout.vocab_mesh, layout.sequence_mesh)
-        handle.backward_runs_twice = _splits_backward(getattr(trainer, "pp_schedule", None))
-        session.setup(handle, owns_loss=plain, why_not=why_not)
-        try:  # torchtitan SUMS gradients over data-parallel ranks: every rank adds the global term / dp
-            session.begin_training(
-                start_step=trainer.step,
-                accumulation_steps=trainer.gradient_accumulation_steps * layout.pipeline_micro_batches,
-                loss_scale=1.0 / layout.data_parallel, batch_group=layout.batch_group, batch_copies=layout.batch_copies,
-            )
+        session.setup(TitanModelHandle(model), layout, owns_loss=plain, why_not=why_not)
+        try:
+            session.begin_training(start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps)
         except BaseException:
             session.detach()  # a run that cannot begin leaves the model as it was
             raise
@@ -444,7 +404,7 @@ class AnisoRuntime:
         self.session.begin_micro_batch(
             MicroBatchTargets(labels, sequence_ids=sequence_ids(labels.shape, position_ids=positions)),
             step=step,
-            accumulation_steps=self.trainer.gradient_accumulation_steps * self.layout.pipeline_micro_batches,
+            accumulation_steps=self.trainer.gradient_accumulation_steps,
             measure=self.session.measures_at(step, self.metrics.should_log(step)),
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,

@@ -1,46 +1,27 @@
-"""The parallel layout of a torchtitan run as aniso_plugins' session needs it (`layout_of`):
-which ranks sum a parameter's gradient, which ranks hold distinct parts of the global batch, the
+"""The parallel layout of a torchtitan run as aniso_plugins' session holds it (`layout_of`):
+which ranks sum a parameter's gradient, which hold distinct parts of the global batch, the
 tensor-parallel mesh of the head's vocabulary shards and of the sequence shards, the pipeline
-stage's group; and the layouts the adapter refuses, with the way out."""
+stage's group and schedule; and the layouts the adapter refuses, with the way out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from aniso_plugins import ParallelLayout, SetupError
 
-from aniso_plugins import SetupError
-
-
-@dataclass(frozen=True)
-class TitanLayout:
-    """What the session needs of torchtitan's parallel layout (`layout_of`).
-
-    data_parallel: ranks over which torchtitan sums each parameter's gradient (dp_replicate ×
-        dp_shard): a term identical on every rank is added with weight 1 / data_parallel;
-    batch_group: the ranks whose micro-batches are distinct parts of the global batch
-        (torchtitan's ``loss`` mesh: batch × cp), over which token counts reduce;
-    batch_copies: the ranks holding each micro-batch (the TP degree);
-    vocab_mesh: the ``tp`` mesh, whose ranks hold vocabulary shards of the head (None: no TP);
-    sequence_mesh: the ``tp`` mesh under sequence parallelism, whose ranks hold chunks of the
-        positions at the blocks' outputs (None: no TP, or sequence parallelism off);
-    stage_group: under pipeline parallelism, the ranks of this rank's pipeline stage, which
-        stand for the world in aniso_plugins' collectives (None: no PP);
-    pipeline_micro_batches: the loss calls per forward-backward (PP micro-batches; 1 without PP)."""
-
-    data_parallel: int
-    batch_group: Any
-    batch_copies: int
-    vocab_mesh: Any
-    sequence_mesh: Any
-    stage_group: Any = None
-    pipeline_micro_batches: int = 1
+PARAMETERS_FIXED = (
+    "the torchtitan adapter keeps the model's head (torchtitan builds the model and its optimizer from its config; "
+    "untie with the model config's enable_weight_tying=False)"
+)
 
 
-def layout_of(parallel_dims, sequence_parallel: bool = True, pipeline_micro_batches: int = 1) -> TitanLayout:
-    """The `TitanLayout` of a run, after refusing the layouts the adapter cannot make exact
-    (each refusal names the layout and the way out). Collective under pipeline parallelism
-    (every rank creates the stage groups)."""
-    pd = parallel_dims
+def layout_of(trainer) -> ParallelLayout:
+    """The `ParallelLayout` of a built torchtitan ``Trainer``, after refusing the layouts the
+    adapter cannot make exact (each refusal names the layout and the way out): torchtitan sums
+    gradients over dp_replicate × dp_shard ranks (``gradient_weight`` 1/dp); its ``loss`` mesh
+    (batch × cp) holds distinct parts of the batch; each micro-batch has ``tp`` copies; the
+    ``tp`` mesh holds the head's vocabulary shards (and the positions, with sequence
+    parallelism); under pipeline parallelism the world is this rank's stage. Collective under
+    pipeline parallelism (every rank creates the stage groups)."""
+    pd = trainer.parallel_dims
     if pd.cp > 1:
         raise SetupError(
             f"context parallelism (cp={pd.cp}) is refused: each rank would hold a slice of every sequence, which "
@@ -56,15 +37,28 @@ def layout_of(parallel_dims, sequence_parallel: bool = True, pipeline_micro_batc
         )
     batch = pd.get_optional_mesh("loss", include_singleton_axes=True)
     tp = pd.get_optional_mesh("tp") if pd.tp > 1 else None
-    return TitanLayout(
-        data_parallel=pd.dp_replicate * pd.dp_shard,
+    pp = pd.pp > 1
+    return ParallelLayout(
+        world=_stage_group(pd.pp) if pp else None,
         batch_group=None if batch is None else batch.get_group(),
         batch_copies=pd.tp,
+        gradient_weight=1.0 / (pd.dp_replicate * pd.dp_shard),
         vocab_mesh=tp,
-        sequence_mesh=tp if sequence_parallel else None,
-        stage_group=_stage_group(pd.pp) if pd.pp > 1 else None,
-        pipeline_micro_batches=pipeline_micro_batches if pd.pp > 1 else 1,
+        sequence_mesh=tp if trainer.config.parallelism.enable_sequence_parallel else None,
+        pipeline_stages=pd.pp,
+        pipeline_micro_batches=getattr(trainer, "num_pipeline_parallel_microbatches", 1) if pp else 1,
+        backward_runs_twice=_splits_backward(getattr(trainer, "pp_schedule", None)),
+        parameters_fixed=PARAMETERS_FIXED,
     )
+
+
+def _splits_backward(schedule) -> bool:
+    """Whether a pipeline schedule runs separate input- and weight-gradient backwards (zero bubble)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(action is not None and action.computation_type == _ComputationType.BACKWARD_INPUT
+               for actions in order.values() for action in actions)
 
 
 def _stage_group(pp: int):
@@ -79,4 +73,4 @@ def _stage_group(pp: int):
     return groups[rank // n]
 
 
-__all__ = ["TitanLayout", "layout_of"]
+__all__ = ["layout_of"]

@@ -198,13 +198,6 @@ def test_the_core_imports_no_model_library_and_no_model_knowledge(module):
     assert _model_knowledge(ast.parse(MODULES[module].read_text())) == []
 
 
-PENDING_PRIVATE = {
-    "aniso_plugins.numerics.distributed.set_world": "issue 44: the process-wide world becomes part of one parallel "
-    "layout that the session holds",
-}
-"""Non-public names an adapter still imports, each with the work that removes it."""
-
-
 def _private_imports(module: str) -> list[str]:
     """The names `module` imports from the package beyond its public face: anything but the
     package's ``__all__``, the ``__all__`` of a module of ``aniso_plugins.models`` (the model
@@ -238,7 +231,7 @@ ADAPTER_PACKAGE = "aniso_plugins.integrations"
 def test_the_adapters_import_only_public_names(module):
     """An adapter uses the package as any third-party code would (docs/design.md): through
     ``aniso_plugins``'s public names and the model knowledge of ``aniso_plugins.models``."""
-    assert [name for name in _private_imports(module) if name not in PENDING_PRIVATE] == []
+    assert _private_imports(module) == []
 
 
 def test_the_public_name_check_sees_a_private_import(tmp_path, monkeypatch):
@@ -248,3 +241,44 @@ def test_the_public_name_check_sees_a_private_import(tmp_path, monkeypatch):
     monkeypatch.setitem(MODULES, "aniso_plugins.integrations.fake", fake)
     assert _private_imports("aniso_plugins.integrations.fake") == [
         "aniso_plugins.core.targets.target_rule", "aniso_plugins.models.handle._no_head"]
+
+
+CHOICE_FIELDS = frozenset(registry.TABLES)
+"""The configuration fields that choose plugins (method, head, metrics)."""
+METRIC_NAMES = frozenset(registry.METRICS) - {"train", "eval"}
+"""Metric names an adapter must not spell: "eval" is also the kind of a measurement, which adapters name."""
+
+
+def _choices_read(tree: ast.Module) -> list[str]:
+    """Where a module compares or filters on the fields that choose plugins (``config.method !=
+    ("none",)``, ``self.config.head != "keep"``, ``m in config.metrics``), and metric names it
+    spells: a decision that belongs to the plugins (``aniso_refuse_layout``, capability hooks)."""
+    found = []
+    for node in ast.walk(tree):
+        operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else (
+            [node.iter] if isinstance(node, ast.comprehension) else [])
+        for operand in operands:
+            for sub in ast.walk(operand):
+                if isinstance(sub, ast.Attribute) and sub.attr in CHOICE_FIELDS and ast.unparse(sub.value).endswith("config"):
+                    found.append(f"line {sub.lineno}: {ast.unparse(sub)}")
+    return found + sorted(f"metric name {name!r}" for name in _string_constants(tree) & METRIC_NAMES)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(ADAPTER_PACKAGE + ".")))
+def test_the_adapters_decide_nothing_on_the_plugins_chosen(module):
+    """An adapter says what its trainer's layout is (`ParallelLayout`); each plugin refuses what
+    it cannot serve. No adapter compares the method, head or metrics chosen, nor names a metric."""
+    assert _choices_read(ast.parse(MODULES[module].read_text())) == []
+
+
+def test_the_choice_check_sees_each_form():
+    source = (
+        "def f(self, config):\n"
+        "    if self.config.method != ('none',): pass\n"
+        "    if config.head != 'keep': pass\n"
+        "    split = [m for m in config.metrics if m in ('hidden', 'ethayarajh')]\n"
+        "    return '+'.join(self.config.method)\n"  # a read that decides nothing is fine
+    )
+    found = _choices_read(ast.parse(source))
+    assert found == ["line 2: self.config.method", "line 3: config.head", "line 4: config.metrics",
+                     "metric name 'ethayarajh'", "metric name 'hidden'"]

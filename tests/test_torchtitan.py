@@ -145,9 +145,10 @@ def _chunked_loss(inner: str | None):
     [
         (dict(graphs_off=False), {}, SetupError, "disable_cuda_graphs"),
         (dict(tp=2, backend="partial_dtensor"), {}, SetupError, "default 'spmd_types' backend"),
-        (dict(pp=2), dict(metrics=("hidden",)), SetupError, "split over the pipeline stages"),
+        (dict(pp=2), dict(metrics=("hidden", "ethayarajh")), SetupError,
+         "'hidden' reads every block's outputs.*2 stages.*; 'ethayarajh' reads every block's outputs"),
         (dict(cp=2), {}, SetupError, r"context parallelism \(cp=2\) is refused.*context_parallel_degree 1"),
-        ({}, dict(head="untie"), ConfigError, "enable_weight_tying=False"),
+        ({}, dict(head="untie"), SetupError, "head='untie' adds parameters.*enable_weight_tying=False"),
         ({}, dict(ignore_index=0), ConfigError, "ignore_index=0"),
         ({}, dict(method="agg"), ConfigError, "--aniso.window"),
         (dict(inner_loss="mse"), dict(method="agg", window=5, fused_loss=True), ConfigError,
@@ -155,10 +156,13 @@ def _chunked_loss(inner: str | None):
         (dict(loss=object()), {}, SetupError, "AnisoChunkedLoss"),
     ],
 )
-def test_unsupported_setups_raise_before_training(trainer_kw, config_kw, error, match):
+def test_unsupported_setups_raise_before_training(trainer_kw, config_kw, error, match, monkeypatch):
     from types import SimpleNamespace
 
+    import aniso_plugins.integrations.torchtitan_layout as titan_layout
     from aniso_plugins.integrations.torchtitan import AnisoRuntime
+
+    monkeypatch.setattr(titan_layout, "_stage_group", lambda pp: None)  # one process: no stage groups to make
 
     trainer = _fake_trainer(**trainer_kw)
     with pytest.raises(error, match=match):

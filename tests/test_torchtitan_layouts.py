@@ -142,20 +142,41 @@ def test_every_layout_trains_and_measures_like_one_rank(runs, name):
     assert set(ref["tb"]["aniso/geometry/head/mean_cosine"]) == set(range(1, STEPS + 1))
 
 
+NOT_HELD = {name: ("aniso/geometry/embedding/", "aniso/hidden/") for name in LAYOUTS if name.startswith("pp_")}
+"""What a layout's head stage does not hold, by tag prefix: under PP the embedding lives on the
+first stage, and the blocks are split over the stages (hidden states refused)."""
+
+
+def _logged(run: dict, prefixes: tuple[str, ...] = ("aniso/", "validation_metrics/aniso/")) -> set[str]:
+    return {t for t in run["tb"] if t.startswith(prefixes)}
+
+
 @pytest.mark.slow
-def test_the_layouts_measure_what_they_hold(runs):
-    # the hidden states of every block are measured under TP with sequence parallelism (each rank
-    # holds a slice of the positions) and were NaN on torchtitan without gradient accumulation
-    for name in ("tp", "fsdp_tp", "hsdp", "one_A"):
-        for layer in (0, 1):
-            values = runs[name]["tb"][f"aniso/hidden/layer_{layer}/mean_cosine"].values()
-            assert all(math.isfinite(v) for v in values), name
-    # evaluation metrics under TP (vocabulary shards of the logits) and PP
-    for name in ("tp", "pp_1F1B", "hsdp"):
-        assert math.isfinite(runs[name]["tb"]["validation_metrics/aniso/eval/ppl"][2]), name
-    # under PP the embedding lives on the first stage and is not measured; under TP it is
-    assert not any(t.startswith("aniso/geometry/embedding") for t in runs["pp_1F1B"]["tb"])
-    assert "aniso/geometry/embedding/mean_cosine" in runs["tp"]["tb"]
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_the_layouts_log_every_metric_their_reference_logs(runs, name):
+    """The comparison above reads the tags both runs logged: here each layout logs every training
+    metric of its reference (the set of tags), less what it does not hold (`NOT_HELD`)."""
+    ref = _logged(runs[LAYOUTS[name][0]], ("aniso/",))
+    expected = {t for t in ref if not t.startswith(NOT_HELD.get(name, ()))}
+    assert len(expected) > 10
+    assert _logged(runs[name], ("aniso/",)) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, tag", [
+    *[(n, f"aniso/hidden/layer_{layer}/mean_cosine") for n in ("tp", "fsdp_tp", "hsdp") for layer in (0, 1)],
+    *[(n, "validation_metrics/aniso/eval/ppl") for n in ("tp", "pp_1F1B", "hsdp")],
+    ("tp", "aniso/geometry/embedding/mean_cosine"),
+])
+def test_the_layouts_measure_what_they_hold(runs, name, tag):
+    """The values each layout splits in its own way, equal to one rank's at every logged step:
+    hidden states under TP with sequence parallelism (each rank holds a slice of the positions;
+    they were NaN on torchtitan without gradient accumulation), evaluation under TP (vocabulary
+    shards of the logits) and PP, the embedding under TP."""
+    run, ref = runs[name]["tb"], runs[LAYOUTS[name][0]]["tb"]
+    assert tag in run and set(run[tag]) == set(ref[tag]) and ref[tag], tag
+    for step, value in ref[tag].items():
+        assert math.isfinite(value) and run[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-9), (tag, step)
 
 
 @pytest.mark.slow

@@ -148,13 +148,12 @@ def _handle():
      ("ethayarajh", "sequence_mesh", "no-enable-sequence-parallel")],
 )
 def test_metrics_a_layout_cannot_measure_are_refused_at_setup_naming_the_way_out(metric, mesh, match):
-    from aniso_plugins import AnisoConfig, SetupError, TrainingSession
+    from aniso_plugins import AnisoConfig, ParallelLayout, SetupError, TrainingSession
 
     handle = _handle()
-    setattr(handle, mesh, _Mesh())
     session = TrainingSession(AnisoConfig(metrics=(metric,), load_entry_points=False))
     with pytest.raises(SetupError, match=match):
-        session.setup(handle)
+        session.setup(handle, ParallelLayout(**{mesh: _Mesh()}))
     assert not handle.model.lm_head._forward_hooks and not handle.model.blocks[0]._forward_hooks  # nothing stays
     plain = TrainingSession(AnisoConfig(metrics=(metric,), load_entry_points=False))
     plain.setup(_handle())  # the same metric without the layout sets up

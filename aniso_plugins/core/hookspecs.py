@@ -12,7 +12,7 @@ collectives of their own inside a hook unless the spec says the hook is collecti
 Order of events (docs/design.md walks through each adapter)::
 
     aniso_make_plugins -> aniso_supplies_loss (capability)
-    -> aniso_setup -> aniso_reads_training_logits, aniso_head_computes_loss (capabilities)
+    -> aniso_refuse_layout -> aniso_setup -> aniso_reads_training_logits, aniso_head_computes_loss (capabilities)
     -> aniso_begin_training [-> aniso_load_state_dict]
     per optimizer step with A micro-batches:
         aniso_targets(m=0) forward [aniso_activation_loss_terms] backward ...
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from aniso_plugins.core.config import AnisoConfig
+    from aniso_plugins.core.layout import ParallelLayout
     from aniso_plugins.core.model import ModelHandle
     from aniso_plugins.core.steps import RunInfo, StepInfo
     from aniso_plugins.numerics.reduce import Stat
@@ -76,6 +77,16 @@ def aniso_supplies_loss() -> bool | None:
     """Whether a training batch without labels can train on this plugin's loss terms alone (as
     unsupervised SimCSE does): the adapter then backpropagates the session's
     ``supplied_loss()`` instead of the model's loss."""
+
+
+@hookspec
+def aniso_refuse_layout(layout: ParallelLayout) -> str | None:
+    """If this plugin cannot serve the run's parallel layout (`aniso_plugins.ParallelLayout`: its
+    meshes, pipeline stages, fixed parameters, a bypassed head), why and the way out, in one
+    phrase ("metrics ['hidden'] under pipeline parallelism (4 stages): ...; measure them in a run
+    without pipeline parallelism"); None if it can. Asked once per rank before `aniso_setup`:
+    the session raises `aniso_plugins.SetupError` with every refusal before anything changes, so
+    adapters never check method or metric names themselves."""
 
 
 @hookspec

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from aniso_plugins.core.errors import SetupError
+from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.numerics.distributed import VocabShard, vocab_shard_rows
 from aniso_plugins.numerics.gathered import full_shape, gathered
 
@@ -95,19 +96,28 @@ class ModelHandle:
     """The label whose positions the head does not run on: the model compacts its head's input
     to the rows of the other labels, in order (ModernBERT's ``sparse_prediction``), and the
     session hands the plugins those rows' targets; None: the head runs on every position."""
-    vocab_mesh: DeviceMesh | None = None
-    """The 1-D device mesh whose ranks each hold a contiguous vocabulary shard of the head's
-    weight inside its forward (tensor parallelism with loss parallel: a rank's logits are its
-    shard's, ``torch.chunk`` rows of the (V, d) weight); None: the forward sees all V rows."""
+    layout: ParallelLayout = ParallelLayout()
+    """The run's parallel layout (`aniso_plugins.core.layout.ParallelLayout`), given by the
+    session at set-up; its meshes below are what the plugins read of it."""
 
-    backward_runs_twice: bool = False
-    """Whether the trainer runs the backward of one forward twice on the retained graph (zero-bubble
-    pipeline schedules: input gradients, then weight gradients); the fused loss keeps its
-    gradients for the second one."""
-    sequence_mesh: DeviceMesh | None = None
-    """The 1-D device mesh whose ranks each hold a contiguous ``torch.chunk`` of the sequence
-    positions at the blocks' outputs (sequence parallelism); None: a rank's block outputs cover
-    its whole micro-batch."""
+    @property
+    def vocab_mesh(self) -> DeviceMesh | None:
+        """The layout's vocabulary mesh: its ranks each hold a ``torch.chunk`` shard of the
+        head's weight inside its forward (a rank's logits are its shard's); None: all V rows."""
+        return self.layout.vocab_mesh
+
+    @property
+    def sequence_mesh(self) -> DeviceMesh | None:
+        """The layout's sequence mesh: its ranks each hold a ``torch.chunk`` of the positions at
+        the blocks' outputs; None: a rank's block outputs cover its whole micro-batch."""
+        return self.layout.sequence_mesh
+
+    @property
+    def backward_runs_twice(self) -> bool:
+        """Whether the trainer runs the backward of one forward twice (the layout's); the fused
+        loss then keeps its gradients for the second one."""
+        return self.layout.backward_runs_twice
+
     logit_transform: LogitTransform | None = None
     """The elementwise soft-cap or scale the model applies to the head's output before its loss
     (Gemma 2/3, Cohere, Granite, Falcon-H1; set by the adapter that reads it from the model): the

@@ -12,6 +12,7 @@ import torch
 
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.numerics.reduce import Stat
@@ -27,6 +28,13 @@ class Plugin:
     hook options (``tryfirst``) or measures evaluation declares that hook itself."""
 
     name = ""
+    acts_in_head_forward: ClassVar[bool] = False
+    """Whether the plugin changes training in the LM head's forward or through what the session
+    attaches there (gates, loss terms, a fused loss): a trainer whose loss bypasses the head's
+    forward (`ParallelLayout.head_bypassed`) is then refused, since the plugin would do nothing."""
+    reads_every_block: ClassVar[bool] = False
+    """Whether the plugin reads every block's outputs (`ModelHandle.hook_blocks`): a layout whose
+    pipeline stages split the blocks (`ParallelLayout.pipeline_stages`) is then refused."""
     summary: ClassVar[dict[str, str]] = {}
     """`aniso_summary_metrics`: short label -> metric name, the values shown in the one-line log."""
 
@@ -37,6 +45,22 @@ class Plugin:
     @hookimpl
     def aniso_summary_metrics(self) -> dict[str, str] | None:
         return dict(self.summary) or None
+
+    @hookimpl
+    def aniso_refuse_layout(self, layout: ParallelLayout) -> str | None:
+        who = repr(self.name or type(self).__name__)
+        if self.acts_in_head_forward and layout.head_bypassed:
+            return f"{who} acts in the LM head's forward, which {layout.head_bypassed}"
+        if self.reads_every_block and layout.pipeline_stages > 1:
+            return (
+                f"{who} reads every block's outputs, which pipeline parallelism ({layout.pipeline_stages} stages) splits "
+                "over the pipeline stages, each seeing only its own; measure it in a run without pipeline parallelism"
+            )
+        return self.refuse_layout(layout)
+
+    def refuse_layout(self, layout: ParallelLayout) -> str | None:
+        """Why this plugin cannot serve `layout`, with the way out; None if it can."""
+        return None
 
     @property
     def model(self) -> ModelHandle:

@@ -18,6 +18,7 @@ import torch
 
 from aniso_plugins.core import builtins, hookspecs
 from aniso_plugins.core.config import AnisoConfig, ConfigError
+from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.state import load_state, save_state
 from aniso_plugins.core.steps import RunInfo, StepInfo
@@ -97,6 +98,11 @@ class AnisoPlugins:
     def supplies_loss(self) -> bool:
         """Whether label-free batches train on the plugins' terms (`aniso_supplies_loss`)."""
         return any(self.pm.hook.aniso_supplies_loss())
+
+    def layout_refusals(self, layout: ParallelLayout) -> list[str]:
+        """Why plugins cannot serve `layout` (`aniso_refuse_layout`), in registration order (the
+        configuration's); empty if they all can."""
+        return [why for why in reversed(self.pm.hook.aniso_refuse_layout(layout=layout)) if why]
 
     def setup(self, model: ModelHandle) -> None:
         """Head surgery, probes and model-dependent checks; once, before the optimizer exists

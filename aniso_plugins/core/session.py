@@ -4,9 +4,9 @@ every adapter needs between its trainer's events and the hooks.
 An adapter translates its trainer's events into these calls, and nothing else::
 
     session = TrainingSession(config, plugins)
-    session.setup(handle, owns_loss=..., why_not=...)   before the optimizer exists / the model is wrapped
+    session.setup(handle, layout, owns_loss=..., why_not=...)   before the model is wrapped
     session.begin_training(epoch_steps=..., start_step=..., accumulation_steps=...,
-                           loss_scale=..., grad_scaler=..., label_smoothing=...)
+                           loss_scale=..., grad_scaler=..., label_smoothing=..., engine_root=...)
     session.load_state_dict(...) / session.load(dir)      when resuming (before or after begin_training)
     session.begin_micro_batch(targets, step=..., ...)     each training micro-batch, before its forward
     (forward: the head's forward hook attaches the loss terms on the micro-batch they are due,
@@ -21,13 +21,16 @@ An adapter translates its trainer's events into these calls, and nothing else::
 The session numbers micro-batches within a step, decides when loss terms and metrics are due,
 attaches loss terms inside the head's forward (`aniso_plugins.core.loss.attach_loss`) with the
 adapter's gradient scale (and the fp16 grad scaler's), and feeds the head's evaluation output to
-the plugins, so adapters hold no bookkeeping and no method math. docs/design.md follows one
-micro-batch through each adapter.
+the plugins, so adapters hold no bookkeeping and no method math. The run's `ParallelLayout`,
+given once at set-up, is held here: its world is in force around each call
+(`aniso_plugins.numerics.distributed.in_world`), never a process-wide setting. docs/design.md
+follows one micro-batch through each adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -39,13 +42,14 @@ from torch import nn
 
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.errors import StateError
+from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.loss import attach_loss
 from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
 from aniso_plugins.core.steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
 from aniso_plugins.core.targets import MicroBatchTargets
-from aniso_plugins.numerics.distributed import rank_and_world, world_group
+from aniso_plugins.numerics.distributed import in_world, rank_and_world, world_group
 
 logger = logging.getLogger("aniso_plugins")
 
@@ -59,6 +63,17 @@ class GradScaler(Protocol):
     def is_enabled(self) -> bool: ...
 
     def get_scale(self) -> float: ...
+
+
+def _in_world(method: Callable) -> Callable:
+    """`method` of the session, run with the session's layout's world in force."""
+
+    @functools.wraps(method)
+    def in_layout_world(self: TrainingSession, *args, **kwargs):
+        with in_world(self.layout.world):
+            return method(self, *args, **kwargs)
+
+    return in_layout_world
 
 
 class TrainingSession:
@@ -76,8 +91,8 @@ class TrainingSession:
         self.run: RunInfo | None = None
         self._loss_scale = 1.0
         self._grad_scaler: GradScaler | None = None
+        self.layout = ParallelLayout()
         self._batch_group: dist.ProcessGroup | None = None
-        self._batch_copies = 1
         self._micro_batch = 0
         self._current: StepInfo | None = None
         self._loss_due = False
@@ -120,10 +135,13 @@ class TrainingSession:
         return trainer_logs if every is None else step % every == 0
 
     # --- set-up -----------------------------------------------------------------------------
-    def setup(self, handle: ModelHandle, *, owns_loss: bool = False, why_not: str = "") -> None:
-        """Run the plugins' set-up (head surgery, model-dependent checks), decide
-        `head_computes_loss` and hook the final head's output (loss terms, evaluation batches).
-        Once, before the optimizer is built.
+    def setup(
+        self, handle: ModelHandle, layout: ParallelLayout | None = None, *, owns_loss: bool = False, why_not: str = ""
+    ) -> None:
+        """Hold the run's parallel `layout` (default: one process or plain data parallelism),
+        refuse it where a plugin cannot serve it (`aniso_refuse_layout`), run the plugins' set-up
+        (head surgery, model-dependent checks), decide `head_computes_loss` and hook the final
+        head's output (loss terms, evaluation batches). Once, before the model is wrapped.
 
         owns_loss: whether the adapter can take the training loss from the head and reproduce
             the model's own loss exactly (the fused loss); why_not: if not, why (for messages).
@@ -132,8 +150,11 @@ class TrainingSession:
         undone (`ModelHandle.restore`) before the error propagates."""
         if self.handle is not None:
             raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
+        layout = layout if layout is not None else ParallelLayout()
+        self.check_layout(layout)
+        self.layout = handle.layout = layout
         try:
-            with handle.full_weights():  # a model an engine built partitioned (ZeRO-3's zero.Init)
+            with in_world(layout.world), handle.full_weights():  # a model an engine built partitioned (ZeRO-3's zero.Init)
                 self.plugins.setup(handle)
             readers = self.plugins.reads_training_logits()
             if readers and handle.vocab_mesh is not None:
@@ -157,6 +178,15 @@ class TrainingSession:
             raise
         self.handle = handle
 
+    def check_layout(self, layout: ParallelLayout) -> None:
+        """Raise `SetupError` with every plugin's refusal of `layout` (`aniso_refuse_layout`);
+        changes nothing. `setup` calls it first; an adapter may call it earlier, to refuse a
+        layout before anything of its own changes."""
+        with in_world(layout.world):
+            refusals = self.plugins.layout_refusals(layout)
+        if refusals:
+            raise SetupError("; ".join(refusals))
+
     def detach(self, keep_head: bool = False) -> None:
         """Undo everything set-up did to the model (installed forwards, hooks, head surgery):
         afterwards it has the same modules, Parameters, tying and forwards as before `setup`,
@@ -175,6 +205,7 @@ class TrainingSession:
         self._clear_micro_batch()
         self._eval = None
 
+    @_in_world
     def begin_training(
         self,
         *,
@@ -184,29 +215,21 @@ class TrainingSession:
         loss_scale: float = 1.0,
         grad_scaler: GradScaler | None = None,
         label_smoothing: float = 0.0,
-        batch_group: dist.ProcessGroup | None = None,
-        batch_copies: int = 1,
         engine_root: nn.Module | None = None,
     ) -> RunInfo:
         """Training starts or resumes; the plugins learn what the trainer knows.
 
         epoch_steps: optimizer steps per epoch (`epoch_length` computes it), None if unknown;
-        start_step: optimizer steps already done; accumulation_steps: micro-batches per step;
+        start_step: optimizer steps already done; accumulation_steps: the trainer's micro-batches
+            per step (times the layout's ``pipeline_micro_batches``: the session's);
         loss_scale: gradient weight of the loss terms, the factor by which the trainer weighs
-            the model's loss beyond its mean over the step: for its data-parallel reduction (1
-            when gradients are averaged over ranks, as DDP and FSDP2 do; 1/world when they are
-            summed, as torchtitan does), and for what it does to the loss on the way (the HF
+            the model's loss beyond its mean over the step on the way to the backward (the HF
             Trainer's accumulation steps × processes on a model's own mean loss; Lightning's
-            extra 1/accumulation under DeepSpeed);
+            extra 1/accumulation under DeepSpeed), times the layout's ``gradient_weight`` (its
+            data-parallel reduction);
         grad_scaler: the trainer's fp16 gradient scaler, if any: backward runs on the scaled
             loss, so the loss terms are scaled by its current scale too;
         label_smoothing: the trainer's label smoothing of the token loss (`RunInfo`);
-        batch_group: the ranks whose micro-batches are distinct parts of the global batch
-            (`StepInfo.batch_group`; None: the world);
-        batch_copies: how many ranks hold each micro-batch (the tensor-parallel degree: the
-            ranks of a TP group see the same tokens and sum the head input's gradient), so
-            that a rank's activation-term share is weighted 1 / batch_copies of a data-parallel
-            rank's (`_activation_scale`);
         engine_root: the trainer's outermost wrapper of the model once wrapped, where its engine
             partitions parameters in units of its own (FSDP1: `ModelHandle.engine_root`).
         State loaded before this call is restored right after the plugins' hook."""
@@ -215,15 +238,12 @@ class TrainingSession:
         self.run = RunInfo(
             epoch_steps=epoch_steps,
             start_step=start_step,
-            accumulation_steps=accumulation_steps,
+            accumulation_steps=accumulation_steps * self.layout.pipeline_micro_batches,
             label_smoothing=label_smoothing,
         )
-        if not isinstance(batch_copies, int) or batch_copies < 1:
-            raise ValueError(f"batch_copies={batch_copies!r}: expected an integer >= 1")
-        self._loss_scale = loss_scale
+        self._loss_scale = loss_scale * self.layout.gradient_weight
         self._grad_scaler = grad_scaler
-        self._batch_group = batch_group if batch_group is not None else world_group()
-        self._batch_copies = batch_copies
+        self._batch_group = self.layout.batch_group if self.layout.batch_group is not None else world_group()
         self.handle.engine_root = engine_root
         self.plugins.begin_training(self.run)
         if self._pending_state is not None:
@@ -238,6 +258,7 @@ class TrainingSession:
         return optimizer_steps_per_epoch(batches, accumulation_steps)
 
     # --- training ---------------------------------------------------------------------------
+    @_in_world
     def begin_micro_batch(
         self,
         batch: MicroBatchTargets | torch.Tensor,
@@ -254,8 +275,8 @@ class TrainingSession:
         the head's positions (`MicroBatchTargets`, as `micro_batch_targets` reads them).
 
         step: 1-based index of the optimizer step this micro-batch belongs to;
-        accumulation_steps: micro-batches in this step (a trainer's last window of an epoch
-        may be shorter); measure: whether metrics are measured after this step;
+        accumulation_steps: the trainer's micro-batches in this step (a trainer's last window of
+        an epoch may be shorter; times the layout's ``pipeline_micro_batches``); measure: whether metrics are measured after this step;
         head_calls / loss_normalizer: see `StepInfo`;
         supplies_loss: the batch has no labels and `supplied_loss()` will be its loss (only
         when `supplies_loss` says the configuration can)."""
@@ -268,7 +289,7 @@ class TrainingSession:
         info = StepInfo(
             step=step,
             micro_batch=self._micro_batch,
-            accumulation_steps=max(accumulation_steps, self._micro_batch + 1),
+            accumulation_steps=max(accumulation_steps * self.layout.pipeline_micro_batches, self._micro_batch + 1),
             measure=measure,
             head_calls=head_calls,
             loss_normalizer=loss_normalizer,
@@ -300,6 +321,7 @@ class TrainingSession:
         self._supplied = None
         self._supplying = False
 
+    @_in_world
     def attach_activation_terms(self, hidden: torch.Tensor) -> torch.Tensor:
         """`hidden`, the LM head's input for the whole current micro-batch, with this
         micro-batch's activation-dependent loss terms attached (same value; backward also
@@ -324,6 +346,7 @@ class TrainingSession:
             )
         return loss
 
+    @_in_world
     def end_step(self, step: int) -> None:
         """The optimizer step `step` was applied."""
         info = self._current
@@ -343,9 +366,9 @@ class TrainingSession:
         """Weight of a rank's share, ``loss_scale · world / copies²``: the trainer's reduction
         of ``loss_scale``-weighted terms over the ``world / copies`` data-parallel ranks makes
         the shares sum (DDP averages: 1 · world; torchtitan sums: 1/dp · dp), and the
-        ``copies`` ranks holding one micro-batch (TP) sum the head input's gradient, so each
-        adds 1/copies of it."""
-        return self._gradient_scale() * rank_and_world()[1] / self._batch_copies**2
+        ``copies`` ranks holding one micro-batch (TP, the layout's ``batch_copies``) sum the
+        head input's gradient, so each adds 1/copies of it."""
+        return self._gradient_scale() * rank_and_world()[1] / self.layout.batch_copies**2
 
     def _on_head_input(self, module: nn.Module, args):
         if self._activations_due and module.training and args and isinstance(args[0], torch.Tensor):
@@ -357,6 +380,7 @@ class TrainingSession:
             self._head_input = args[0]
         return None
 
+    @_in_world
     def _on_logits(self, logits: torch.Tensor) -> None:
         """The logits the model's loss reads (`ModelHandle.register_logits_hook`): inside
         `evaluating`, the evaluation batch's."""
@@ -379,6 +403,7 @@ class TrainingSession:
         return DTensor.from_local(logits, mesh, [Shard(logits.dim() - 1)], run_check=False, shape=shape,
                                   stride=stride).full_tensor()
 
+    @_in_world
     def _on_head_output(self, module: nn.Module, args, output: torch.Tensor):
         if self._eval is not None or not (module.training and torch.is_grad_enabled()):
             return None
@@ -405,6 +430,7 @@ class TrainingSession:
         return attach_loss(output, total, self._gradient_scale())
 
     # --- measurement ------------------------------------------------------------------------
+    @_in_world
     def measure(self, step: int, kind: str = "train") -> dict[str, float]:
         """Metrics (``aniso/...``) at `step`; collective, identical on every rank. The head and the
         embedding are read whole (`ModelHandle.full_weights`: gathered where an engine partitions
@@ -467,6 +493,7 @@ class TrainingSession:
         finally:
             self._eval_paused = paused
 
+    @_in_world
     def end_training(self, output_dir: str | os.PathLike, main_process: bool) -> None:
         """The trainer's training has ended: `aniso_end_training` (e.g. ``report_at_end``'s
         report into ``output_dir``, written by the `main_process` only). Every rank calls it: the
@@ -480,11 +507,13 @@ class TrainingSession:
     # --- state ------------------------------------------------------------------------------
     STATE_FILE = "aniso_state.safetensors"
 
+    @_in_world
     def state_dict(self) -> dict:
         """In-memory state for trainers that checkpoint Python objects (Lightning):
         ``{"config": dict, "plugins": {namespace: {key: tensor}}}``."""
         return {"config": self.config.to_dict(), "plugins": self.plugins.state_dict()}
 
+    @_in_world
     def load_state_dict(self, state: dict, where: str = "checkpointed aniso_plugins state") -> None:
         """Restore `state_dict()` output, refusing one from an incompatible configuration
         (see `load` for what a refusal does). Before `begin_training` it is kept and restored
@@ -495,6 +524,7 @@ class TrainingSession:
             check_compatible(state["config"], self.config.to_dict(), where)
             self._restore(state["plugins"], where)
 
+    @_in_world
     def save(self, directory: str | os.PathLike) -> str:
         """Write the plugins' state into `directory` (call on one rank); returns the path."""
         path = os.path.join(os.fspath(directory), self.STATE_FILE)
@@ -502,6 +532,7 @@ class TrainingSession:
         self.plugins.save(path)
         return path
 
+    @_in_world
     def load(self, directory: str | os.PathLike) -> bool:
         """Restore from `directory` if it holds a state file; returns whether it did.
 

@@ -17,6 +17,9 @@ are partitioned over the world, so each row is counted exactly once:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -31,31 +34,38 @@ class LocalRows(NamedTuple):
     total: int
 
 
-_WORLD: list[dist.ProcessGroup | None] = [None]
+_WORLD: ContextVar[dist.ProcessGroup | None] = ContextVar("aniso_plugins_world", default=None)
 
 
-def set_world(group: dist.ProcessGroup | None) -> None:
-    """The group that stands for the world in aniso_plugins' collectives, for this process: the
-    ranks of its pipeline stage under pipeline parallelism (the ranks that hold the same model
-    part; no statistic crosses stages); None: the default group."""
-    _WORLD[0] = group
+@contextlib.contextmanager
+def in_world(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """While inside, `group` stands for the world in aniso_plugins' collectives (the ranks of the
+    head's pipeline stage under pipeline parallelism: no statistic crosses stages); None: the
+    default group. The session enters its layout's world around each of its calls, so that
+    nothing outlives a call and two sessions in one process keep their own worlds."""
+    token = _WORLD.set(group)
+    try:
+        yield
+    finally:
+        _WORLD.reset(token)
 
 
 def world_group() -> dist.ProcessGroup | None:
-    """The group of `set_world` (None: the default group)."""
-    return _WORLD[0]
+    """The group of the innermost `in_world` (None: the default group)."""
+    return _WORLD.get()
 
 
 def is_distributed() -> bool:
     """True when the world (`world_group`) has more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(_WORLD[0]) > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(world_group()) > 1
 
 
 def rank_and_world() -> tuple[int, int]:
     """(rank, size) in the world (`world_group`); (0, 1) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
-    return dist.get_rank(_WORLD[0]), dist.get_world_size(_WORLD[0])
+    group = world_group()
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -165,5 +175,5 @@ def full_rows(param: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "LocalRows", "VocabShard", "ceil_div", "chunk_bounds", "full_rows", "is_distributed", "local_rows", "mesh_rows",
-    "rank_and_world", "set_world", "vocab_shard_rows", "world_group",
+    "in_world", "rank_and_world", "vocab_shard_rows", "world_group",
 ]

@@ -125,19 +125,7 @@ class AnisoCallback(TrainerCallback):
         trl_refusal = trl.refusal(trainer)
         if trl_refusal is not None:
             raise SetupError(trl_refusal)
-        layout_refusal = layout.refusal(trainer)
-        if layout_refusal is not None:
-            raise SetupError(layout_refusal)
-        if getattr(trainer.args, "use_liger_kernel", False) and self.config.method != ("none",):
-            raise SetupError(
-                "TrainingArguments(use_liger_kernel=True) computes the loss from lm_head.weight directly and "
-                f"bypasses the head, so method={self.config.method} would silently do nothing; turn Liger off"
-            )
-        if trainer.optimizer is not None and (self.config.head != "keep"):
-            raise SetupError(
-                f"head={self.config.head!r} adds parameters, but the Trainer was given an optimizer already; "
-                "let the Trainer create its optimizer"
-            )
+        self.session.check_layout(layout.layout_of(trainer))  # refused before any callback's set-up
         if self.session.handle is None:
             model = hf_handle(trainer.model, self._head).model
             target_rule(self._targets, lambda: alignment_of(model))
@@ -151,7 +139,7 @@ class AnisoCallback(TrainerCallback):
             self.session.detach()
             self.session = TrainingSession(self.config, self._plugins)
         why_not = _why_loss_is_not_reproduced(self.trainer, handle, self.config)
-        self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")
+        self.session.setup(handle, layout.layout_of(self.trainer), owns_loss=why_not is None, why_not=why_not or "")
         self._unroute_trl()
         if trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
             self._trl_unroute = trl.route_through_head(model, self.trainer)

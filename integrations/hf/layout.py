@@ -6,7 +6,7 @@ whether the fused loss reproduces the model's own (a soft-cap or scale of its lo
 
 from __future__ import annotations
 
-from aniso_plugins import DeepSpeedLossScale, GradScaler, LogitTransform, OutputEmbeddingsHandle
+from aniso_plugins import DeepSpeedLossScale, GradScaler, LogitTransform, OutputEmbeddingsHandle, ParallelLayout, SetupError
 from aniso_plugins.models.causal_loss import fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.models.handle import peft_base_model
 
@@ -67,6 +67,22 @@ def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle, supplies_
     return scale
 
 
+def layout_of(trainer: Trainer) -> ParallelLayout:
+    """The `ParallelLayout` of a Trainer the adapter serves (`refusal` raises `SetupError` for
+    the others): its engines all average gradients over whole micro-batches (the defaults);
+    what the Trainer has fixed already: an optimizer it was given (no parameter can be added),
+    Liger's kernel (its loss reads ``lm_head.weight`` without the head's forward)."""
+    why = refusal(trainer)
+    if why is not None:
+        raise SetupError(why)
+    return ParallelLayout(
+        parameters_fixed="the Trainer was given an optimizer already; let the Trainer create its optimizer"
+        if trainer.optimizer is not None else None,
+        head_bypassed="TrainingArguments(use_liger_kernel=True) bypasses (its loss reads lm_head.weight directly): "
+        "turn Liger off" if getattr(trainer.args, "use_liger_kernel", False) else None,
+    )
+
+
 def refusal(trainer: Trainer) -> str | None:
     """Why the Trainer's parallel layout cannot be served exactly, or None. Served (each tested
     against one process, docs/trainers.md): DDP, accelerate's FSDP2 and FSDP1 (``FULL_SHARD``,
@@ -100,4 +116,4 @@ def refusal(trainer: Trainer) -> str | None:
     return None
 
 
-__all__ = ["fused_loss_refusal", "head_transform", "loss_scaler", "model_loss_scale", "refusal"]
+__all__ = ["fused_loss_refusal", "head_transform", "layout_of", "loss_scaler", "model_loss_scale", "refusal"]

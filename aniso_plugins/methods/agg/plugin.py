@@ -57,6 +57,7 @@ class AGGPlugin(Plugin):
     """
 
     name = "agg"
+    acts_in_head_forward = True
     summary = {"AGG gated": "agg/rare_target_fraction"}
 
     def __init__(self, config: AnisoConfig) -> None:

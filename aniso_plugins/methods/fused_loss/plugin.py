@@ -17,6 +17,7 @@ import torch
 
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import RunInfo, StepInfo
@@ -34,6 +35,11 @@ class FusedLossPlugin(Plugin):
         super().__init__(config)
         self.head: TrainingHead | None = None
         self._smoothing = 0.0
+
+    def refuse_layout(self, layout: ParallelLayout) -> str | None:
+        if layout.head_bypassed and self.config.fused_loss:
+            return f"fused_loss=True acts in the LM head's forward, which {layout.head_bypassed}"
+        return None
 
     @hookimpl
     def aniso_head_computes_loss(self, owns_loss: bool, why_not: str) -> bool:

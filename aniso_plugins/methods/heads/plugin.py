@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.hookspecs import hookimpl
+from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.methods.heads.lowrank import LowRankHead
@@ -35,6 +36,11 @@ class HeadSurgeryPlugin(Plugin):
         if config.head not in ("untie", "lowrank"):
             raise ConfigError(f"head={config.head!r}: HeadSurgeryPlugin handles 'untie' and 'lowrank'")
         super().__init__(config)
+
+    def refuse_layout(self, layout: ParallelLayout) -> str | None:
+        if layout.parameters_fixed is None:
+            return None
+        return f"head={self.config.head!r} adds parameters to the model, but {layout.parameters_fixed}"
 
     @hookimpl(tryfirst=True)
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:

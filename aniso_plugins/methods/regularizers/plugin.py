@@ -38,6 +38,8 @@ class RegularizerPlugin(Plugin):
     Spectrum with ``spectrum_c1=None``: c1 = σ1 of the head at the first call (before the first
     optimizer step), kept in the plugin state so that a resumed run keeps the same prior."""
 
+    acts_in_head_forward = True
+
     def __init__(self, config: AnisoConfig) -> None:
         chosen = [m for m in config.method if m in REGULARIZERS]
         if len(chosen) != 1:

@@ -47,6 +47,7 @@ class SimCSEPlugin(Plugin):
     training micro-batch, and logs the alignment and uniformity of the pooled embeddings."""
 
     name = "simcse"
+    acts_in_head_forward = True
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)

@@ -34,6 +34,7 @@ class SimCTGPlugin(Plugin):
     packed micro-batch (``step.sequence_ids``) pairs stay within one example."""
 
     name = "simctg"
+    acts_in_head_forward = True
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)

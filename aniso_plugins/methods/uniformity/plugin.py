@@ -61,6 +61,7 @@ class UniformityPlugin(Plugin):
     """The uniformity regularizer of the head rows and / or the micro-batches' hidden states."""
 
     name = "uniformity"
+    acts_in_head_forward = True
 
     def __init__(self, config: AnisoConfig) -> None:
         if not config.uses("uniformity"):

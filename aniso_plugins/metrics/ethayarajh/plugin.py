@@ -30,7 +30,8 @@ import torch
 
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
-from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.layout import ParallelLayout
+from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
@@ -53,6 +54,7 @@ class EthayarajhPlugin(Plugin):
     """Self-similarity and intra-sentence similarity of each block's output, per layer."""
 
     name = "ethayarajh"
+    reads_every_block = True
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
@@ -64,14 +66,18 @@ class EthayarajhPlugin(Plugin):
         self._stats: dict[int, dict[str, Stat]] = {}
         self._warned: set[str] = set()
 
+    def refuse_layout(self, layout: ParallelLayout) -> str | None:
+        mesh = layout.sequence_mesh
+        if mesh is None:
+            return None
+        return (
+            "metrics=('ethayarajh', ...) under sequence parallelism: IntraSim compares each token with its whole "
+            f"sentence, which the {mesh.size()} ranks of {mesh.mesh_dim_names} hold in pieces; turn sequence "
+            "parallelism off (torchtitan: --parallelism.no-enable-sequence-parallel) or measure it without tensor "
+            "parallelism"
+        )
+
     def setup(self, model: ModelHandle) -> None:
-        if model.sequence_mesh is not None:
-            raise SetupError(
-                "metrics=('ethayarajh', ...) under sequence parallelism: IntraSim compares each token with its whole "
-                f"sentence, which the {model.sequence_mesh.size()} ranks of {model.sequence_mesh.mesh_dim_names} hold "
-                "in pieces; turn sequence parallelism off (torchtitan: --parallelism.no-enable-sequence-parallel) "
-                "or measure it without tensor parallelism"
-            )
         self.layers = model.hook_blocks(self._hook, "EthayarajhPlugin ('ethayarajh' in metrics)")
 
     @hookimpl

@@ -39,6 +39,7 @@ class HiddenStatesPlugin(Plugin):
     """Mean cosine between randomly sampled token representations after each block."""
 
     name = "hidden"
+    reads_every_block = True
 
     def __init__(self, config: AnisoConfig) -> None:
         super().__init__(config)
