@@ -14,7 +14,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 import aniso_plugins
-from aniso_plugins import AnisoConfig, ConfigError, SetupError
+from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 from references import agg_first_step_grad, regularizer_grad
 from hf_utils import VOCAB, ForwardCapture, GradCapture, TokenDataset, tiny_gpt2, tiny_llama

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import (
     BartConfig,
     BartForCausalLM,
