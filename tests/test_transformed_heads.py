@@ -82,23 +82,26 @@ def test_the_forward_s_operations_are_checked_against_the_transform_fused():
     """The fused sum passes the forward's own transform through and records it; a transform other
     than the one fused at set-up, or a value that lost its wrapper, is an error, never a silently
     wrong loss."""
+    from aniso_plugins import LogitTransform
     from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, FusedLossSum, fused_sum, transform_of
 
     total = torch.tensor(7.5, requires_grad=True)
     value = FusedLossSum.wrap(total * 1.0)
     value = torch.tanh(value / 2.0) * 2.0  # Gemma's soft-cap statements, cap 2
     assert value.ops == [("div", 2.0), ("tanh",), ("mul", 2.0)]
-    plain = fused_sum(value, (1.0, 2.0))
+    plain = fused_sum(value, LogitTransform(1.0, 2.0))
     assert type(plain) is torch.Tensor and float(plain) == 7.5
     plain.backward()
     assert float(total.grad) == 1.0  # the gradient flows to the fused loss unchanged
     with pytest.raises(RuntimeError, match="applied"):
-        fused_sum(FusedLossSum.wrap(torch.tensor(1.0)) * 3.0, (1.0, 2.0))
+        fused_sum(FusedLossSum.wrap(torch.tensor(1.0)) * 3.0, LogitTransform(1.0, 2.0))
     with pytest.raises(RuntimeError, match="fused_loss=False"):
-        fused_sum(torch.tensor(1.0), (0.5, None))
+        fused_sum(torch.tensor(1.0), LogitTransform(0.5))
     assert fused_sum(torch.tensor(1.0), IDENTITY) == 1.0
-    assert transform_of([("mul", 0.5)]) == (0.5, None)
-    assert transform_of([("div", 4.0)]) == (0.25, None)
-    assert transform_of([("mul", 2.0), ("div", 30.0), ("tanh",), ("mul", 30.0)]) == pytest.approx((2.0, 30.0))
+    assert transform_of([("mul", 0.5)]) == LogitTransform(0.5)
+    assert transform_of([("div", 4.0)]) == LogitTransform(0.25)
+    capped = transform_of([("mul", 2.0), ("div", 30.0), ("tanh",), ("mul", 30.0)])
+    assert (capped.scale, capped.softcap) == pytest.approx((2.0, 30.0))
+    assert "no loss can be fused" in transform_of([("mul", 0.0)])
     assert "more than once" in transform_of([("tanh",), ("tanh",)])
     assert "positive" in transform_of([("tanh",), ("mul", -1.0)])

@@ -28,7 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, HeadTransform, fused_sum, transform_of
+from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
+from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, fused_sum, transform_of
 
 _HEAD_CALLS = ("float", "contiguous")
 """Methods a conventional forward may call on the head's output before naming it ``logits``."""
@@ -40,12 +41,13 @@ def why_loss_is_not_reproduced(model: nn.Module, ignore_index: int) -> str | Non
     (`ignore_index`); otherwise what differs (a soft-cap or scale of the logits included: see
     `fused_loss_transform` for a caller that fuses it)."""
     why_not, transform = fused_loss_transform(model, ignore_index)
-    if why_not is None and transform != IDENTITY:
-        return f"{type(model).__name__}.forward transforms its logits after the head (scale {transform[0]}, soft-cap {transform[1]})"
+    if why_not is None and not transform.identity:
+        return (f"{type(model).__name__}.forward transforms its logits after the head (scale {transform.scale}, "
+                f"soft-cap {transform.softcap})")
     return why_not
 
 
-def fused_loss_transform(model: nn.Module, ignore_index: int) -> tuple[str | None, HeadTransform]:
+def fused_loss_transform(model: nn.Module, ignore_index: int) -> tuple[str | None, LogitTransform]:
     """(None, transform) if `model` computes its training loss as ForCausalLMLoss of
     `transform` applied to its head's output (the identity, or the soft-cap / scale statements
     of Gemma 2/3, Cohere, Granite, Falcon-H1, with their values read from the model), and the
@@ -315,7 +317,7 @@ class FusedCausalLMLoss:
     head's summed token loss (`fused_sum`), returned divided by `causal_loss_denominator`; real
     logits go to the model's own loss function `original`."""
 
-    def __init__(self, original: Callable[..., torch.Tensor], ignore_index: int, transform: HeadTransform = IDENTITY) -> None:
+    def __init__(self, original: Callable[..., torch.Tensor], ignore_index: int, transform: LogitTransform = IDENTITY) -> None:
         self.original = original
         self.ignore_index = ignore_index
         self.transform = transform
@@ -339,7 +341,7 @@ class FusedLabelSmoother:
     Σ_i [(1 − ε) CE_i + ε mean_k(−log p_ik)], returned divided by LabelSmoother's denominator
     (`causal_loss_denominator` of the shifted labels); real logits go to `original`."""
 
-    def __init__(self, original: Callable[..., torch.Tensor], transform: HeadTransform = IDENTITY) -> None:
+    def __init__(self, original: Callable[..., torch.Tensor], transform: LogitTransform = IDENTITY) -> None:
         self.original = original
         self.epsilon = float(original.epsilon)
         self.ignore_index = original.ignore_index
@@ -354,7 +356,7 @@ class FusedLabelSmoother:
         return _divided_by_denominator(fused_sum(logits, self.transform), labels, num_items_in_batch, self.ignore_index)
 
 
-def install_fused_causal_loss(model: nn.Module, ignore_index: int, transform: HeadTransform = IDENTITY) -> Callable[[], None]:
+def install_fused_causal_loss(model: nn.Module, ignore_index: int, transform: LogitTransform = IDENTITY) -> Callable[[], None]:
     """Set ``model.loss_function`` to `FusedCausalLMLoss` (its forward transforming the logits by
     `transform`); returns the function that undoes it."""
     had_own = "_loss_function" in model.__dict__

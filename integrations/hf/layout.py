@@ -29,19 +29,19 @@ def fused_loss_refusal(trainer: Trainer, handle: OutputEmbeddingsHandle, ignore_
     model's transform does not survive): there it stays on the gated head."""
     why_not, transform = fused_loss_transform(handle.model, ignore_index)
     handle.logit_transform = None
-    if why_not is not None or LogitTransform(*transform).identity:
+    if why_not is not None or transform.identity:
         return why_not
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         engine = "FSDP" if trainer.is_fsdp_enabled else "DeepSpeed"
-        return f"the model transforms its logits (scale {transform[0]}, soft-cap {transform[1]}), which is fused only without {engine}"
-    handle.logit_transform = LogitTransform(*transform)
+        return (f"the model transforms its logits (scale {transform.scale}, soft-cap {transform.softcap}), which is "
+                f"fused only without {engine}")
+    handle.logit_transform = transform
     return None
 
 
-def head_transform(handle: OutputEmbeddingsHandle) -> tuple[float, float | None]:
-    """``handle.logit_transform`` as the loss functions check it: (scale, soft-cap)."""
-    transform = handle.logit_transform or LogitTransform()
-    return transform.scale, transform.softcap
+def head_transform(handle: OutputEmbeddingsHandle) -> LogitTransform:
+    """``handle.logit_transform`` as the loss functions check it (the identity where None)."""
+    return handle.logit_transform or LogitTransform()
 
 
 def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle, supplies_loss: bool = False) -> float:

@@ -15,14 +15,14 @@ import math
 
 import torch
 
-HeadTransform = tuple[float, "float | None"]
-"""(scale s, soft-cap c): the model's logits are c·tanh(s·z/c) of the head's z, or s·z when c is
-None (`aniso_plugins.LogitTransform`); (1.0, None) when it passes them on unchanged."""
-IDENTITY: HeadTransform = (1.0, None)
+from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
+
+IDENTITY = LogitTransform()
+"""The transform of a forward that passes its head's output on unchanged."""
 
 
-def transform_of(ops: list[tuple]) -> HeadTransform | str:
-    """The (scale, soft-cap) of elementwise operations in order (("mul", x), ("div", x),
+def transform_of(ops: list[tuple]) -> LogitTransform | str:
+    """The `LogitTransform` of elementwise operations in order (("mul", x), ("div", x),
     ("tanh",)): linear ones before an optional tanh scale it, linear ones after it are the cap
     (c·tanh(k·z): scale k·c, soft-cap c > 0); or why they are not of that form."""
     tanh = [i for i, op in enumerate(ops) if op[0] == "tanh"]
@@ -34,14 +34,17 @@ def transform_of(ops: list[tuple]) -> HeadTransform | str:
         return out
 
     if not tanh:
-        return product(ops), None
-    if len(tanh) > 1:
+        scale, cap = product(ops), None
+    elif len(tanh) > 1:
         return "applies tanh more than once to its logits"
-    before, after = ops[: tanh[0]], ops[tanh[0] + 1 :]
-    cap = product(after)
-    if cap <= 0:
-        return f"scales tanh of its logits by {cap}, not a positive soft-cap"
-    return product(before) * cap, cap
+    else:
+        cap = product(ops[tanh[0] + 1 :])
+        if not cap > 0:
+            return f"scales tanh of its logits by {cap}, not a positive soft-cap"
+        scale = product(ops[: tanh[0]]) * cap
+    if not (math.isfinite(scale) and scale != 0 and (cap is None or math.isfinite(cap))):
+        return f"multiplies its logits by {scale}, which no loss can be fused through"
+    return LogitTransform(scale, cap)
 
 
 _PASSED_THROUGH = {
@@ -82,32 +85,32 @@ class FusedLossSum(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
-    def checked(self, expected: HeadTransform) -> torch.Tensor:
+    def checked(self, expected: LogitTransform) -> torch.Tensor:
         """The loss sum as a plain tensor, once the recorded operations are `expected`'s; raises
         if the forward transformed the value otherwise (the fused loss would not be its loss)."""
         got = transform_of(self.ops)
         if isinstance(got, str) or not _same_transform(got, expected):
             raise RuntimeError(
-                f"the fused loss applied the logit transform {expected} (scale, soft-cap) read from the model at set-up, "
+                f"the fused loss applied the logit transform {expected} read from the model at set-up, "
                 f"but its forward applied {self.ops}; set AnisoConfig(fused_loss=False) and report the model"
             )
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(torch.Tensor)
 
 
-def _same_transform(a: HeadTransform, b: HeadTransform) -> bool:
-    return math.isclose(a[0], b[0], rel_tol=1e-12) and (a[1] is None) == (b[1] is None) and (
-        a[1] is None or math.isclose(a[1], b[1], rel_tol=1e-12))
+def _same_transform(a: LogitTransform, b: LogitTransform) -> bool:
+    return math.isclose(a.scale, b.scale, rel_tol=1e-12) and (a.softcap is None) == (b.softcap is None) and (
+        a.softcap is None or math.isclose(a.softcap, b.softcap, rel_tol=1e-12))
 
 
-def fused_sum(logits: torch.Tensor, transform: HeadTransform) -> torch.Tensor:
+def fused_sum(logits: torch.Tensor, transform: LogitTransform) -> torch.Tensor:
     """The head's summed token loss from what the model's forward passed where its logits would
     be (a 0-dim tensor): a `FusedLossSum` checked against `transform`, or, for the identity, the
     tensor itself. Raises where a transform was expected and the value lost its wrapper (an
     operation the forward applied that the fused loss did not)."""
     if isinstance(logits, FusedLossSum):
         return logits.checked(transform)
-    if transform != IDENTITY:
+    if not transform.identity:
         raise RuntimeError(
             f"the fused loss expected the model's forward to pass its transformed sum through (transform {transform}), "
             "but an operation it does not know replaced it; set AnisoConfig(fused_loss=False)"
@@ -115,4 +118,4 @@ def fused_sum(logits: torch.Tensor, transform: HeadTransform) -> torch.Tensor:
     return logits
 
 
-__all__ = ["IDENTITY", "FusedLossSum", "HeadTransform", "fused_sum", "transform_of"]
+__all__ = ["IDENTITY", "FusedLossSum", "fused_sum", "transform_of"]
