@@ -141,3 +141,31 @@ def test_each_session_holds_its_own_world_on_two_ranks():
         assert result["own"] == pytest.approx(_mean_cosine(result["weight"]), abs=1e-12)
         assert result["shared"] == pytest.approx(_mean_cosine(results[0]["weight"]), abs=1e-12)
     assert results[0]["own"] != pytest.approx(results[1]["own"], abs=1e-6)
+
+
+def test_the_hf_trainer_s_layout_refuses_head_surgery_after_its_optimizer_and_methods_under_liger(tmp_path):
+    """Through a real ``transformers.Trainer``: an optimizer given to it fixes the parameters (the
+    head plugin refuses ``head='untie'``, the model stays tied); Liger's kernel bypasses the head
+    (AGG refuses); metrics alone are served under both."""
+    pytest.importorskip("transformers")
+    from hf_utils import TokenDataset, tiny_gpt2
+    from transformers import Trainer, TrainingArguments
+
+    from aniso_plugins.integrations.hf import AnisoCallback
+
+    def trainer(config: AnisoConfig, model=None, optimizer=None, **args) -> Trainer:
+        model = model if model is not None else tiny_gpt2()
+        quiet = dict(report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no")
+        return Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), max_steps=1, **quiet, **args),
+                       train_dataset=TokenDataset(), callbacks=[AnisoCallback(config)],
+                       optimizers=(optimizer, None) if optimizer is not None else (None, None))
+
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(SetupError, match="^head='untie' adds parameters to the model, but the Trainer was given an "
+                                         "optimizer already; let the Trainer create its optimizer$"):
+        trainer(AnisoConfig(head="untie", metrics=(), load_entry_points=False), model, optimizer)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    trainer(AnisoConfig(metrics=("geometry",), load_entry_points=False), model, optimizer)
+    with pytest.raises(SetupError, match="^'agg' acts in the LM head's forward, which TrainingArguments\\(use_liger_kernel"):
+        trainer(AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
