@@ -49,7 +49,7 @@ from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
 from aniso_plugins.core.steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
 from aniso_plugins.core.targets import MicroBatchTargets
-from aniso_plugins.numerics.distributed import in_world, rank_and_world, world_group
+from aniso_plugins.numerics.distributed import in_world, rank_and_world
 
 logger = logging.getLogger("aniso_plugins")
 
@@ -92,7 +92,6 @@ class TrainingSession:
         self._loss_scale = 1.0
         self._grad_scaler: GradScaler | None = None
         self.layout = ParallelLayout()
-        self._batch_group: dist.ProcessGroup | None = None
         self._micro_batch = 0
         self._current: StepInfo | None = None
         self._loss_due = False
@@ -182,8 +181,7 @@ class TrainingSession:
         """Raise `SetupError` with every plugin's refusal of `layout` (`aniso_refuse_layout`);
         changes nothing. `setup` calls it first; an adapter may call it earlier, to refuse a
         layout before anything of its own changes."""
-        with in_world(layout.world):
-            refusals = self.plugins.layout_refusals(layout)
+        refusals = self.plugins.layout_refusals(layout)
         if refusals:
             raise SetupError("; ".join(refusals))
 
@@ -243,7 +241,6 @@ class TrainingSession:
         )
         self._loss_scale = loss_scale * self.layout.gradient_weight
         self._grad_scaler = grad_scaler
-        self._batch_group = self.layout.batch_group if self.layout.batch_group is not None else world_group()
         self.handle.engine_root = engine_root
         self.plugins.begin_training(self.run)
         if self._pending_state is not None:
@@ -355,6 +352,11 @@ class TrainingSession:
         self.plugins.step_end(info)
         self._micro_batch = 0
         self._loss_due = False
+
+    @property
+    def _batch_group(self) -> dist.ProcessGroup | None:
+        """The layout's batch group, or its world (`StepInfo.batch_group`)."""
+        return self.layout.batch_group if self.layout.batch_group is not None else self.layout.world
 
     def _gradient_scale(self) -> float:
         """Weight of a term identical on every rank (the weight loss terms)."""
