@@ -23,7 +23,9 @@ Finding the model's parts (the two knobs):
 How it maps onto Lightning 2.6 (docs/design.md walks through it): head surgery in
 ``setup`` (before ``configure_model``, wrapping and optimizers); the run's facts (epoch
 length, accumulation, the 16-mixed grad scaler) in ``on_train_start``; targets in
-``on_train_batch_start``; loss terms attached in the head's forward on the last micro-batch of
+``on_train_batch_start`` (where a plugin reads each optimizer step's whole batch, AGG, the first
+micro-batch of a step also announces the step's other ones, read ahead from the fit loop's
+batch iterator, `_StepLookahead`); loss terms attached in the head's forward on the last micro-batch of
 each optimizer step (before clipping, once per step under ``accumulate_grad_batches``; DDP and
 FSDP2 average identical per-rank terms); metrics measured on every rank after the optimizer
 step when Lightning will write logs (or every ``config.metrics_every`` steps) and logged with
@@ -56,7 +58,8 @@ The fused loss (``fused_loss``; docs/methods.md §16), in one of two routes:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -70,6 +73,7 @@ from aniso_plugins.models.causal_loss import install_fused_causal_loss, why_loss
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
     from lightning.pytorch.strategies import DeepSpeedStrategy
     from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as e:  # pragma: no cover - exercised only without the extra
@@ -105,6 +109,7 @@ class AnisoCallback(pl.Callback):
         self._targets = targets
         self._rule: TargetRule | None = None
         self._stepped_at: int | None = None
+        self._window: tuple[int, int] | None = None  # (step, its micro-batches)
         self._module_loss = False  # the LightningModule declares aniso_loss_fn
         self._batch_targets: torch.Tensor | None = None  # the current batch's, for loss_fn
         self._eval_batch = contextlib.ExitStack()  # session.evaluating(...) from batch start to end
@@ -239,11 +244,19 @@ class AnisoCallback(pl.Callback):
     # --- training ---------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         acc, total = trainer.accumulate_grad_batches, trainer.num_training_batches
-        window_start = batch_idx - batch_idx % acc
-        window = acc if total == float("inf") else min(acc, int(total) - window_start)
-        last = batch_idx - window_start == window - 1
+        offset = batch_idx % acc
         step = trainer.global_step + 1
         read = self._read(batch)
+        if offset == 0 or self._window is None or self._window[0] != step:
+            window = acc if total == float("inf") else min(acc, int(total) - (batch_idx - offset))
+            if offset == 0 and self.session.wants_step_targets and window > 1:
+                # the optimizer step's other micro-batches, before this one's forward
+                ahead = [self._read(b) for b in _StepLookahead.of(trainer).peek(window - 1)]
+                window = 1 + len(ahead)  # shorter where an iterable dataset ends
+                self.session.begin_step([read, *ahead], step=step)
+            self._window = (step, window)
+        window = self._window[1]
+        last = offset == window - 1
         self._batch_targets = read.targets if self._module_loss else None
         self.session.begin_micro_batch(
             read,
@@ -299,6 +312,47 @@ class AnisoCallback(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.session.load_state_dict(state_dict)
+
+
+class _StepLookahead(Iterator):
+    """The fit loop's batch iterator (its data fetcher's ``iterator``), wrapped so that `peek`
+    can read the batches of an optimizer step ahead of Lightning: `peek(n)` returns the next n
+    batches as the DataLoader gives them (before ``on_before_batch_transfer`` and the device
+    transfer), and the fetcher then gets exactly those, in order."""
+
+    def __init__(self, fetcher: Any) -> None:
+        self.fetcher, self.iterator = fetcher, fetcher.iterator
+        self.buffer: deque = deque()
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> _StepLookahead:
+        """The lookahead of the running fit loop's fetcher (installed on first use, and again
+        when the fetcher makes a new iterator, at each epoch)."""
+        fetcher = trainer.fit_loop._data_fetcher
+        if not isinstance(fetcher, _PrefetchDataFetcher):
+            raise SetupError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with a training_step that takes the "
+                "dataloader iterator: a method reading each optimizer step's whole batch (AGG) needs the step's "
+                "batches before its first forward; take `batch` in training_step, or accumulate_grad_batches=1"
+            )
+        if not isinstance(fetcher.iterator, cls):
+            fetcher.iterator = cls(fetcher)
+        return fetcher.iterator
+
+    def __next__(self) -> Any:
+        return self.buffer.popleft() if self.buffer else next(self.iterator)
+
+    def peek(self, n: int) -> list[Any]:
+        """Up to `n` next batches: those the fetcher has prefetched (a DataLoader without a
+        length), then those read ahead here (fewer where the data ends)."""
+        held = list(self.fetcher.batches)[:n]
+        while len(held) + len(self.buffer) < n:
+            try:
+                self.buffer.append(next(self.iterator))
+            except StopIteration:
+                break
+        items = held + list(self.buffer)[: n - len(held)]
+        return [batch for batch, _, _ in items]  # the iterator gives (batch, batch_idx, dataloader_idx)
 
 
 __all__ = ["AnisoCallback"]

@@ -50,6 +50,10 @@ the LM head once per sequence chunk):
   Activation-dependent terms (SimCTG, uniformity of hidden states) are attached to the
   micro-batch's whole hidden states before the chunked loss
   (`aniso_plugins.TrainingSession.attach_activation_terms`): each rank's share with weight 1.
+- Where a plugin reads each optimizer step's whole batch (AGG's token counter), ``train_step`` is
+  wrapped to announce all of the step's micro-batches before the first forward
+  (`aniso_plugins.TrainingSession.begin_step`): AGG's update is then the same for any split of
+  the step into accumulation steps, pipeline micro-batches and data-parallel ranks.
 - After each optimizer step (an optimizer step post-hook) the session advances its counters
   and, at measurement steps, measures (collective, every rank); `AnisoMetricsProcessor` adds
   the ``aniso/...`` values to torchtitan's own log record (TensorBoard / W&B) at that step, and
@@ -358,6 +362,8 @@ class AnisoRuntime:
         trainer.optimizers.register_step_post_hook(self._after_optimizer_step)
         self.announced = False
         self._announce_before_the_forward(trainer)
+        if session.wants_step_targets:
+            self._announce_each_step(trainer, layout.pipeline_micro_batches)
         if checkpointer.enable:
             checkpointer.states[STATE_KEY] = AnisoCheckpointState(self.session)
         loss.runtime = self
@@ -389,6 +395,22 @@ class AnisoRuntime:
             return original(input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens, **kwargs)
 
         trainer.forward_backward_step = forward_backward_step
+
+    def _announce_each_step(self, trainer: Trainer, pipeline_micro_batches: int) -> None:
+        """Where a plugin reads each optimizer step's whole batch (AGG), announce the step's
+        micro-batches before its first forward: torchtitan's ``train_step`` reads all of them
+        (gradient accumulation × pipeline micro-batches) from its data iterator before any
+        forward; the wrapper, on the trainer instance, reads them the same way, announces their
+        labels and hands ``train_step`` the same batches. Data running out mid-step raises
+        torchtitan's own ``DataloaderExhaustedError`` here, as in ``train_step``."""
+        original, count = trainer.train_step, trainer.gradient_accumulation_steps * pipeline_micro_batches
+
+        def train_step(data_iterator):
+            batches = [next(data_iterator) for _ in range(count)]
+            self.session.begin_step([labels for _, labels in batches], step=self.trainer.step)
+            return original(iter(batches))
+
+        trainer.train_step = train_step
 
     def begin_micro_batch(
         self,

@@ -650,19 +650,22 @@ def _batches(steps=4, micro=2, seed=7, vocab=19):
 
 
 def _reference_run(model, batches, alpha, window, special_ids=(0,), static_after=None):
-    """Grads per step from the dense ring + the explicit gate formulas + the three-logit loss."""
+    """Grads per step from the dense ring + the explicit gate formulas + the three-logit loss:
+    every micro-batch of a step gated with the counts of the whole step (all of them counted
+    first, as one batch)."""
     ring = DenseRing(19, window, special_ids)
     results, frozen, rare_rows = [], None, 0
     for t, step in enumerate(batches, start=1):
         total = [torch.zeros_like(p) for p in model.parameters()]
-        for ids, tgt in step:
+        for _, tgt in step:
             a = ring.criterion_call(tgt, t)
-            if frozen is not None:
-                a_used, steps_used = frozen
-            else:
-                a_used, steps_used = a, min(t, window)
-            g1, g2, rare = ref_gates(a_used, alpha, steps_used)
-            gates = RowGates(g1.float(), g2.float(), rare)
+        if frozen is not None:
+            a_used, steps_used = frozen
+        else:
+            a_used, steps_used = a, min(t, window)
+        g1, g2, rare = ref_gates(a_used, alpha, steps_used)
+        gates = RowGates(g1.float(), g2.float(), rare)
+        for ids, tgt in step:
             rare_rows += int(rare[tgt[tgt != IGN]].sum())
             loss = three_logit_loss(model.body(ids), model.lm_head.weight, tgt, gates) / len(step)
             for acc, g in zip(total, grads(loss, *model.parameters())):
@@ -678,6 +681,7 @@ def _plugin_run(plugins, model, batches, start=1):
     out = []
     for t, step in enumerate(batches, start=start):
         model.zero_grad()
+        plugins.step_targets([tgt for _, tgt in step], StepInfo(step=t, accumulation_steps=len(step)))
         for m, (ids, tgt) in enumerate(step):
             info = StepInfo(step=t, micro_batch=m, accumulation_steps=len(step))
             plugins.targets(tgt, info)

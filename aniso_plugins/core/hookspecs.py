@@ -15,6 +15,7 @@ Order of events (docs/design.md walks through each adapter)::
     -> aniso_refuse_layout -> aniso_setup -> aniso_reads_training_logits, aniso_head_computes_loss (capabilities)
     -> aniso_begin_training [-> aniso_load_state_dict]
     per optimizer step with A micro-batches:
+        [aniso_step_targets(every micro-batch's targets)]
         aniso_targets(m=0) forward [aniso_activation_loss_terms] backward ...
         aniso_targets(m=A-1) forward [aniso_activation_loss_terms] [aniso_loss_terms] backward
         (gradient clipping, optimizer step) aniso_step_end
@@ -25,7 +26,7 @@ Order of events (docs/design.md walks through each adapter)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -109,6 +110,21 @@ def aniso_begin_training(run: RunInfo) -> None:
     Called on every rank after `aniso_setup` and before the first `aniso_targets`, again if
     the trainer trains again. State from a checkpoint is restored after it
     (`aniso_load_state_dict`), so it may replace what this hook built."""
+
+
+@hookspec
+def aniso_step_targets(targets: Sequence[torch.Tensor], step: StepInfo) -> None:
+    """See the targets of every **training** micro-batch of optimizer step `step.step` at once,
+    before the first one's forward: this rank's micro-batches of the step, in order, each
+    aligned as in `aniso_targets` (``step.micro_batch`` is 0; ``step.accumulation_steps`` is
+    how many there are, the layout's pipeline micro-batches included).
+
+    For a plugin whose method reads "the batch" of an optimizer step (AGG's token counter): it
+    sees the whole step here, so its update does not depend on how the trainer splits the step
+    into micro-batches (gradient accumulation) or ranks (summed over ``step.batch_group``).
+    Implementing it makes adapters announce each step (`TrainingSession.wants_step_targets`);
+    a step of one micro-batch may come without it (the plugin then reads that micro-batch's
+    `aniso_targets`). Collective-safe, as `aniso_targets`."""
 
 
 @hookspec

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import pluggy
 import torch
@@ -112,6 +112,10 @@ class AnisoPlugins:
     def begin_training(self, run: RunInfo) -> None:
         """Training starts or resumes."""
         self.pm.hook.aniso_begin_training(run=run)
+
+    def step_targets(self, targets: Sequence[torch.Tensor], step: StepInfo) -> None:
+        """`aniso_step_targets`: every training micro-batch of the step, before the first forward."""
+        self.pm.hook.aniso_step_targets(targets=targets, step=step)
 
     def targets(self, targets: torch.Tensor, step: StepInfo) -> None:
         """Targets of a training micro-batch (causal shift done), before its forward."""

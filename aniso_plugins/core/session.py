@@ -8,6 +8,8 @@ An adapter translates its trainer's events into these calls, and nothing else::
     session.begin_training(epoch_steps=..., start_step=..., accumulation_steps=...,
                            loss_scale=..., grad_scaler=..., label_smoothing=..., engine_root=...)
     session.load_state_dict(...) / session.load(dir)      when resuming (before or after begin_training)
+    session.begin_step(batches, step=...)        where `wants_step_targets`: every micro-batch of the
+                                                 step, before the first forward
     session.begin_micro_batch(targets, step=..., ...)     each training micro-batch, before its forward
     (forward: the head's forward hook attaches the loss terms on the micro-batch they are due,
      and each micro-batch's activation-dependent terms; an adapter whose loss calls the head
@@ -33,7 +35,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -120,6 +122,13 @@ class TrainingSession:
         adapter then announces it with ``begin_micro_batch(..., supplies_loss=True)``, runs the
         forward and backpropagates `supplied_loss()` instead of the model's loss."""
         return self._supplies_loss
+
+    @property
+    def wants_step_targets(self) -> bool:
+        """Whether a plugin reads each optimizer step's whole batch before its first forward
+        (`aniso_step_targets`: AGG's token counter): the adapter then announces every step with
+        `begin_step` before its first micro-batch (a step of one micro-batch may go without)."""
+        return self.plugins.implements("aniso_step_targets")
 
     @property
     def wants_eval_batches(self) -> bool:
@@ -255,6 +264,24 @@ class TrainingSession:
         return optimizer_steps_per_epoch(batches, accumulation_steps)
 
     # --- training ---------------------------------------------------------------------------
+    @_in_world
+    def begin_step(self, batches: Sequence[MicroBatchTargets | torch.Tensor | None], *, step: int) -> None:
+        """Announce optimizer step `step`'s training micro-batches on this rank, in order, before
+        the first one's forward (only where `wants_step_targets`): each as `begin_micro_batch`
+        takes it (None, or None targets: a label-free batch, which has no targets to count).
+        The plugins see the whole step at once (`aniso_step_targets`), so what they read of
+        "the batch" is the optimizer step's whole batch whatever the split into micro-batches
+        (gradient accumulation) and ranks. Each micro-batch is then announced as usual."""
+        if self.run is None:
+            raise SetupError("TrainingSession.begin_training(...) must run before the first step")
+        targets = []
+        for batch in batches:
+            batch = MicroBatchTargets(batch) if isinstance(batch, torch.Tensor) else batch
+            if batch is not None and batch.targets is not None:
+                targets.append(self._head_targets(batch.targets))
+        info = StepInfo(step=step, accumulation_steps=max(len(batches), 1), batch_group=self._batch_group)
+        self.plugins.step_targets(targets, info)
+
     @_in_world
     def begin_micro_batch(
         self,

@@ -20,7 +20,9 @@ What the callback does with the Trainer (transformers 5.x; docs/design.md walks 
   later pops them) and ``prediction_step`` (evaluation labels; with ``predict_with_generate``
   the generation steps are not evaluation logits); (3) wraps ``train`` to learn which
   checkpoint a run resumes from, and ``model_init`` (hyperparameter search) to set up on every
-  model the Trainer builds.
+  model the Trainer builds; (4) where a plugin reads each optimizer step's whole batch (AGG),
+  wraps ``get_batch_samples``, which fetches a step's micro-batches before the first forward,
+  to announce them all (`aniso_plugins.TrainingSession.begin_step`).
 - TRL's ``SFTTrainer`` (a Trainer subclass): its fused LM head, which reads ``lm_head.weight``
   without calling the head, is run through the model's head (`trl.route_through_head`);
   TRL's other trainers are refused at construction.

@@ -203,6 +203,14 @@ class AnisoCallback(TrainerCallback):
         self._resume_dir = ckpt
         return ckpt
 
+    def before_step(self, batch_samples: list[Any]) -> None:
+        """The Trainer fetched an optimizer step's micro-batches (``get_batch_samples``, before the
+        first forward): announce them all where a plugin reads the step's whole batch."""
+        if not self.session.wants_step_targets or self._rule is None:
+            return
+        reads = [self._rule.read(inputs, self.config.ignore_index) for inputs in batch_samples]
+        self.session.begin_step(reads, step=self.trainer.state.global_step + 1)
+
     def before_training_step(self, inputs: dict[str, Any]) -> None:
         """A training micro-batch is about to run: announce its targets to the session."""
         read = self._rule.read(inputs, self.config.ignore_index)

@@ -1,6 +1,6 @@
 """Every change the HF adapter makes to objects it does not own, each with its undo: the
 Trainer's methods wrapped on the instance (``training_step``, ``prediction_step``, ``train``,
-``compute_loss``, ``model_init``, ``label_smoother``; `wrap_trainer`), the model's ``generate``
+``compute_loss``, ``get_batch_samples``, ``model_init``, ``label_smoother``; `wrap_trainer`), the model's ``generate``
 during a prediction step under ``predict_with_generate`` (`generation_not_evaluated`), the
 printer's ``on_log`` (`condense_printed_logs`), and the call-stack walk that finds the Trainer a
 callback is constructed in (`constructing_trainer`). `AnisoTrainerMixin` overrides the same
@@ -23,7 +23,7 @@ from aniso_plugins import TrainingSession
 if TYPE_CHECKING:
     from aniso_plugins.integrations.hf.callback import AnisoCallback
 
-WRAPPED = ("training_step", "prediction_step", "train", "compute_loss")
+WRAPPED = ("training_step", "prediction_step", "train", "compute_loss", "get_batch_samples")
 """Trainer methods the callback route wraps on the instance (and refuses to wrap twice)."""
 
 Patches = dict[str, tuple[Callable, Callable | None]]
@@ -46,7 +46,12 @@ def wrap_trainer(trainer: Trainer, callback: AnisoCallback) -> Patches:
     """The callback route: `trainer`'s methods wrapped on the instance, each calling the
     callback's method that `AnisoTrainerMixin` calls from its class; returns them for `unwrap`."""
     training_step, prediction_step, train = trainer.training_step, trainer.prediction_step, trainer.train
-    compute_loss, model_init = trainer.compute_loss, trainer.model_init
+    compute_loss, model_init, get_batch_samples = trainer.compute_loss, trainer.model_init, trainer.get_batch_samples
+
+    def get_batch_samples_announced(epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = get_batch_samples(epoch_iterator, num_batches, device)
+        callback.before_step(batch_samples)
+        return batch_samples, num_items_in_batch
 
     def training_step_with_targets(model, inputs, num_items_in_batch=None):
         callback.before_training_step(inputs)
@@ -71,6 +76,8 @@ def wrap_trainer(trainer: Trainer, callback: AnisoCallback) -> Patches:
     }
     if callback.session.supplies_loss:
         patches["compute_loss"] = (compute_loss_or_supplied, None)
+    if callback.session.wants_step_targets:  # the optimizer step's micro-batches, before the first forward
+        patches["get_batch_samples"] = (get_batch_samples_announced, None)
     if model_init is not None:  # train() builds a new model: set up on it before its optimizer exists
         patches["model_init"] = (with_set_up(model_init, callback._set_up), model_init)
     for name, (wrapper, _) in patches.items():

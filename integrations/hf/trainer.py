@@ -18,8 +18,8 @@ class AnisoTrainerMixin:
     ``class MyTrainer(AnisoTrainerMixin, Seq2SeqTrainer): ...`` or `AnisoTrainer`. It takes
     ``aniso=AnisoConfig(...)`` (and ``aniso_plugins=``, ``aniso_targets=``, ``aniso_head=``, as
     `AnisoCallback`'s ``plugins``, ``targets`` and ``head``) and does exactly what the callback does,
-    through the callback's own methods, but overrides ``training_step``, ``compute_loss``,
-    ``prediction_step``, ``train`` and ``call_model_init`` in the class (nothing is replaced on
+    through the callback's own methods, but overrides ``get_batch_samples``, ``training_step``,
+    ``compute_loss``, ``prediction_step``, ``train`` and ``call_model_init`` in the class (nothing is replaced on
     the instance, no call stack is read) and sets up once ``Trainer.__init__`` has returned.
     ``self.aniso`` is its `AnisoCallback` (``self.aniso.session``, ``self.aniso.detach()``)."""
 
@@ -37,6 +37,11 @@ class AnisoTrainerMixin:
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.aniso]
         super().__init__(*args, **kwargs)
         self.aniso.attach(self)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.aniso.before_step(batch_samples)
+        return batch_samples, num_items_in_batch
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.aniso.before_training_step(inputs)

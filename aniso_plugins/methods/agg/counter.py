@@ -6,18 +6,20 @@ The official code (``ysw1021/AGG``, ``fairseq/criterions/cross_entropy_agg.py``)
 
     c_k = Σ_rows M[·, k],        a_k = c_k / min(t, K),        a_k := 1 for special ids,
 
-i.e. the counts of the last ≤ K steps, the current (possibly partial) step included.
+i.e. the counts of the last ≤ K steps, the current (possibly partial) step included. AGG counts
+an optimizer step's micro-batches together before the first is gated (the whole step, as one
+batch or as DDP ranks see it; docs/methods.md §1.1).
 
 `SlidingTokenCounter` returns exactly the same ``a`` (same float32 division of the same integers) but
 stores what the window really holds: one sparse (ids, counts) pair per step plus a running
-total over the window. An update costs O(n log n) in the n targets of the micro-batch (one
+total over the window. An update costs O(n log n) in the n targets counted (one
 sort), ending a step O(tokens of the step + tokens of the evicted step); nothing is O(K·V).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,9 +56,9 @@ class SlidingTokenCounter:
         always_frequent: ids whose appearance is forced to 1 (fairseq's specials).
         ignore_index: target value that is never counted.
 
-    Protocol per optimizer step t = 1, 2, ...: `update` once per micro-batch (training targets
-    only), `appearance` whenever gates are needed (it includes the micro-batches seen so far),
-    `step` after the optimizer step. Storage is on the CPU whatever the targets' device.
+    Protocol per optimizer step t = 1, 2, ...: `update` with the step's training targets (AGG
+    counts the step's micro-batches together, before the first forward), `appearance` whenever
+    gates are needed (it includes what was counted of step t), `step` after the optimizer step. Storage is on the CPU whatever the targets' device.
     """
 
     def __init__(
@@ -83,7 +85,7 @@ class SlidingTokenCounter:
         self._t = 1
         self._total = torch.zeros(vocab_size, dtype=torch.int64)
         self._ring: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # completed steps, oldest first
-        self._current: list[tuple[torch.Tensor, torch.Tensor]] = []  # micro-batches of step t
+        self._current: list[tuple[torch.Tensor, torch.Tensor]] = []  # what was counted of step t
 
     # --- reading ------------------------------------------------------------------------------
     @property
@@ -147,21 +149,27 @@ class SlidingTokenCounter:
     # --- writing ------------------------------------------------------------------------------
     def update(
         self,
-        targets: torch.Tensor,
+        targets: torch.Tensor | Sequence[torch.Tensor],
         *,
         all_reduce: bool = False,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        """Add one training micro-batch's targets to the current step.
+        """Add training targets to the current step: one tensor, or several (the micro-batches
+        of the step, counted together).
 
         Positions equal to `ignore_index` are skipped; any other value must lie in [0, V).
         With ``all_reduce=True`` (collective: every rank of `group` must call it for its
-        micro-batch) the micro-batch counts are summed across the ranks first, with one
-        all_reduce of a V-vector of int64 on the targets' device, so every rank holds the
-        same counts and computes the same gates."""
-        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-            raise TypeError(f"targets: expected an integer tensor of token ids, got dtype {targets.dtype}")
-        flat = targets.detach().reshape(-1)
+        targets) the counts are summed across the ranks first, with one all_reduce of a
+        V-vector of int64 on the targets' device, so every rank holds the same counts and
+        computes the same gates."""
+        parts = [targets] if isinstance(targets, torch.Tensor) else list(targets)
+        for part in parts:
+            if part.dtype.is_floating_point or part.dtype.is_complex or part.dtype == torch.bool:
+                raise TypeError(f"targets: expected an integer tensor of token ids, got dtype {part.dtype}")
+        if not parts:
+            parts = [torch.zeros(0, dtype=torch.int64)]
+        device = parts[0].device
+        flat = torch.cat([p.detach().reshape(-1).to(device, torch.int64) for p in parts])
         flat = flat[flat != self.ignore_index]
         if flat.numel():
             lo, hi = int(flat.min()), int(flat.max())

@@ -3,10 +3,14 @@
 At set-up (`aniso_setup`): check ``special_ids`` against the vocabulary and install the training
 head (`aniso_plugins.methods.fused_loss.head.TrainingHead`, marked gated) on the model's LM head. When training begins
 (`aniso_begin_training`): build the token counter with window K = ``config.window``, else the
-trainer's epoch length. Per training micro-batch (`aniso_targets`): count its targets (summed
-across data-parallel ranks), compute the gates from the appearance that now includes them (the
-official order, docs/methods.md §1.1), and arm the head with both (where the adapter owns the
-loss, the fused-loss plugin then makes the head return the fused AGG cross-entropy). After the
+trainer's epoch length. Per optimizer step, before its first forward (`aniso_step_targets`):
+count the targets of all its micro-batches (summed across data-parallel ranks) and compute the
+gates from the appearance that now includes them (the official order, docs/methods.md §1.1), so
+that every micro-batch of the step is gated by the whole step's counts, whatever the split into
+micro-batches and ranks. Per training micro-batch (`aniso_targets`): arm the head with its
+targets and the step's gates (where the adapter owns the loss, the fused-loss plugin then makes
+the head return the fused AGG cross-entropy); a step of one micro-batch may come without the
+step's announcement. After the
 optimizer step (`aniso_step_end`): check, once the counter's window is full, that the rare group
 holds some but at most half of the window's target tokens (else one `AGGGatingWarning`, also on
 the ``aniso_plugins`` logger, naming the setting that would gate a chosen share), then advance
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +76,7 @@ class AGGPlugin(Plugin):
         self._step_warned = False
         self._rarity_told = False  # the info line of the first measurement
         self._gating_warned = False  # the AGGGatingWarning, once a run
+        self._counted_step: int | None = None  # the optimizer step whose targets are counted
 
     # --- hooks --------------------------------------------------------------------------------
     def setup(self, model: ModelHandle) -> None:
@@ -107,14 +112,34 @@ class AGGPlugin(Plugin):
         self._static = None
 
     @hookimpl
+    def aniso_step_targets(self, targets: Sequence[torch.Tensor], step: StepInfo) -> None:
+        self._count(targets, step)
+
+    @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:
-        counter = self._ready()
+        self._ready()
         self._check_consumed(step)
-        if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-            raise SetupError(
-                f"AGG: the training targets are {targets.dtype}, not integer token ids: the batch's 'labels' (or the "
-                "targets function) must hold token ids (e.g. labels=input_ids.clone(), torch.long)"
-            )
+        if self._counted_step != step.step:
+            if step.accumulation_steps > 1:
+                raise SetupError(
+                    f"AGG: step {step.step} has {step.accumulation_steps} micro-batches, but its targets were not "
+                    "announced before the first forward: AGG gates every micro-batch with the counts of the optimizer "
+                    "step's whole batch, so the adapter must call TrainingSession.begin_step(batches, step=...) before "
+                    "the step's first micro-batch (the HF, Lightning and torchtitan adapters do)"
+                )
+            self._count([targets], step)  # a step of one micro-batch: it is the whole batch
+        self.head.arm(targets, self.last_gates, chunks=step.head_calls)
+
+    def _count(self, targets: Sequence[torch.Tensor], step: StepInfo) -> None:
+        """Count the optimizer step's targets (summed across the batch's ranks) and compute its
+        gates from the appearance that now includes them (the official order, docs/methods.md §1.1)."""
+        counter = self._ready()
+        for part in targets:
+            if part.dtype.is_floating_point or part.dtype.is_complex or part.dtype == torch.bool:
+                raise SetupError(
+                    f"AGG: the training targets are {part.dtype}, not integer token ids: the batch's 'labels' (or the "
+                    "targets function) must hold token ids (e.g. labels=input_ids.clone(), torch.long)"
+                )
         if step.step != counter.step_index and not self._step_warned:
             self._step_warned = True
             logger.warning(
@@ -131,14 +156,14 @@ class AGGPlugin(Plugin):
                 f"AGG: {e}. The vocabulary size {counter.vocab_size} is the first dimension of the LM head's weight "
                 f"{shape}; targets must be token ids below it (or ignore_index={self.config.ignore_index})"
             ) from e
-        gates = self._gates(counter)
-        self.last_gates = gates
-        self.head.arm(targets, gates, chunks=step.head_calls)
+        self.last_gates = self._gates(counter)
+        self._counted_step = step.step
 
     @hookimpl
     def aniso_step_end(self, step: StepInfo) -> None:
         counter = self._ready()
         self._check_consumed(step)
+        self._counted_step = None
         self._check_gating(counter, step)
         after = self.config.agg_static_after
         if after is not None and self._static is None and counter.step_index >= after:
@@ -147,7 +172,7 @@ class AGGPlugin(Plugin):
         counter.step()
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
-        # Counts are summed across ranks in aniso_targets, so these are identical on every rank
+        # Counts are summed across ranks when counted, so these are identical on every rank
         # and need no reduction.
         if self.last_gates is None:
             return None
@@ -215,7 +240,7 @@ class AGGPlugin(Plugin):
         if "static_appearance" in mine:
             alpha = float(mine["static_alpha"][0]) if "static_alpha" in mine else None
             static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]), alpha)
-        self.counter, self._static = counter, static
+        self.counter, self._static, self._counted_step = counter, static, None
 
     # --- internals ------------------------------------------------------------------------------
     def _check_head_in_place(self) -> None:
