@@ -111,10 +111,10 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from aniso_plugins.core.hookspecs import hookimpl
     from aniso_plugins.core.layout import ParallelLayout
     from aniso_plugins.core.loss import attach_loss
-    from aniso_plugins.core.loss_scale import DeepSpeedLossScale
+    from aniso_plugins.core.loss_scale import DeepSpeedLossScale, GradScaler
     from aniso_plugins.core.model import ModelHandle, SetupError, detach
     from aniso_plugins.core.plugins import AnisoPlugins
-    from aniso_plugins.core.session import GradScaler, TrainingSession
+    from aniso_plugins.core.session import TrainingSession
     from aniso_plugins.core.state import StateError, load_state, save_state
     from aniso_plugins.core.steps import RunInfo, StepInfo
     from aniso_plugins.core.targets import (

@@ -39,4 +39,26 @@ def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) ->
     return _AttachLoss.apply(output, loss, scale)
 
 
-__all__ = ["attach_loss"]
+class _ZeroThrough(torch.autograd.Function):
+    """0 as a function of `x`, whose backward sends zeros to `x` (the parameters behind `x` take
+    part in the backward with zero gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.meta = (x.shape, x.dtype, x.device)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        shape, dtype, device = ctx.meta
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def zero_through(x: torch.Tensor) -> torch.Tensor:
+    """A float32 0 that depends on `x`: backward sends zeros to `x`, so the parameters behind `x`
+    take part in the backward (DDP all-reduces only once every parameter of the forward has a
+    gradient)."""
+    return _ZeroThrough.apply(x)
+
+
+__all__ = ["attach_loss", "zero_through"]

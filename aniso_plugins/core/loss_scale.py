@@ -1,9 +1,20 @@
-"""Loss scales the session reads like a `GradScaler`, for engines that scale the loss in their
-own ``backward``: DeepSpeed's (fp16), where the trainer has no `torch.amp.GradScaler`."""
+"""What the session reads of a loss scale (`GradScaler`), and loss scales read like one for
+engines that scale the loss in their own ``backward``: DeepSpeed's (fp16), where the trainer has
+no `torch.amp.GradScaler`."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class GradScaler(Protocol):
+    """What the session reads of a mixed-precision gradient scaler (``torch.amp.GradScaler``)."""
+
+    def is_enabled(self) -> bool: ...
+
+    def get_scale(self) -> float: ...
 
 
 class DeepSpeedLossScale:
@@ -29,4 +40,4 @@ class DeepSpeedLossScale:
         return float(scaler.scale(probe)) if scaler is not None else 1.0
 
 
-__all__ = ["DeepSpeedLossScale"]
+__all__ = ["DeepSpeedLossScale", "GradScaler"]

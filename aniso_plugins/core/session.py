@@ -36,7 +36,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,8 @@ from torch import nn
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.errors import StateError
 from aniso_plugins.core.layout import ParallelLayout
-from aniso_plugins.core.loss import attach_loss
+from aniso_plugins.core.loss import attach_loss, zero_through
+from aniso_plugins.core.loss_scale import GradScaler
 from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
@@ -57,14 +58,6 @@ logger = logging.getLogger("aniso_plugins")
 
 MetricsSink = Callable[[dict[str, float]], Any]
 """Where an adapter hands finished metrics: its trainer's own logger."""
-
-
-class GradScaler(Protocol):
-    """What the session reads of a mixed-precision gradient scaler (``torch.amp.GradScaler``)."""
-
-    def is_enabled(self) -> bool: ...
-
-    def get_scale(self) -> float: ...
 
 
 def _in_world(method: Callable) -> Callable:
@@ -453,7 +446,7 @@ class TrainingSession:
         if self._supplying:  # no token loss: the terms are this micro-batch's whole loss
             value = total.detach().requires_grad_()
             if rank_and_world()[1] > 1:  # DDP all-reduces only once every parameter of the forward has a
-                value = value + _ZeroThrough.apply(output)  # gradient: the head's get zeros (one backward through it)
+                value = value + zero_through(output)  # gradient: the head's get zeros (one backward through it)
             self._supplied = attach_loss(value, total, self._gradient_scale())
             return None
         return attach_loss(output, total, self._gradient_scale())
@@ -600,21 +593,6 @@ class TrainingSession:
             if self.config.on_state_mismatch != "reset":
                 raise
             logger.warning("%s -- on_state_mismatch='reset': the plugins' state starts fresh", e)
-
-
-class _ZeroThrough(torch.autograd.Function):
-    """0 as a function of `x`, whose backward sends zeros to `x` (the parameters behind `x` take
-    part in the backward with zero gradients)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        ctx.meta = (x.shape, x.dtype, x.device)
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        shape, dtype, device = ctx.meta
-        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 __all__ = ["GradScaler", "MetricsSink", "TrainingSession"]
