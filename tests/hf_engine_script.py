@@ -1,7 +1,10 @@
 """HF Trainer runs on a distributed engine (tests/hf_engines.py), or their 1-process reference.
 
-    torchrun --nproc_per_node 2 hf_engine_script.py OUT ENGINE RUN[,RUN...] [--save STEP | --resume STEP]
+    torchrun --nproc_per_node 2 hf_engine_script.py OUT ENGINE RUN[,RUN...] [--save STEP | --resume STEP] [--save-model]
     python hf_engine_script.py OUT single RUN[,RUN...]      (1 process, the same global batch)
+
+Each optimizer step trains on GLOBAL_BATCH × ACCUMULATION sequences, as ``--accumulation`` (default
+ACCUMULATION) micro-batches on each rank.
 
 A RUN is ``[TRAINER:]CONFIG``: the `transformers.Trainer` on a tiny Llama (default),
 ``seq2seq:`` `Seq2SeqTrainer` on a tiny Marian, ``sft:`` TRL's `SFTTrainer` on a tiny Llama and
@@ -9,7 +12,9 @@ text, each with one of `CONFIGS`; the runs go one after the other in the same pr
 writes OUT/RUN/record.json (the log history's losses and ``aniso/...`` values, and what the engine
 did) and OUT/RUN/weights.safetensors (every parameter after training, gathered the engine's way),
 ":" written "_"; with --save STEP each run checkpoints every STEP steps, with --resume STEP it
-resumes from its checkpoint-STEP (files suffixed ``_resumedSTEP``).
+resumes from its checkpoint-STEP (files suffixed ``_resumedSTEP``); with --save-model,
+``trainer.save_model(OUT/RUN/saved)`` after training (under ZeRO-3 with
+``stage3_gather_16bit_weights_on_model_save``, without which the Trainer writes no model file).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import torch
 from hf_engines import engine_arguments, install_cpu_shims
 from hf_utils import VOCAB, TokenDataset, tiny_gpt2, tiny_llama
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
@@ -33,6 +38,7 @@ CONFIGS = {
     "agg": dict(method="agg", alpha=2, window=2, metrics=("geometry", "frequency")),
     "cosreg": dict(method="cosreg", reg_weight=0.5, metrics=("geometry",)),
     "lowrank": dict(head="lowrank", lowrank_rank=4, metrics=("geometry", "frequency")),
+    "agg_lowrank": dict(method="agg", alpha=2, window=2, head="lowrank", lowrank_rank=4, metrics=("geometry",)),
     "agg_untied": dict(method="agg", alpha=2, window=2, head="untie", metrics=("geometry", "frequency", "under_trained")),
     "activations": dict(
         method=("agg", "simctg", "uniformity"), alpha=2, window=2, simctg_weight=0.5, uniformity_weight=0.1,
@@ -75,6 +81,15 @@ def engine_facts(trainer: Trainer, callback: AnisoCallback) -> dict:
     if trainer.is_deepspeed_enabled:
         facts["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
     return facts
+
+
+class StartStep(TrainerCallback):
+    """The step training starts from (the checkpoint's on a resume)."""
+
+    step: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.step = state.global_step
 
 
 def causal_lm(kind: str, out: str) -> torch.nn.Module:
@@ -123,13 +138,16 @@ def train(a: argparse.Namespace, run: str, world: int) -> None:
     out = os.path.join(a.out, run.replace(":", "_"))
     layer = {"seq2seq": "MarianDecoderLayer", "sft": "LlamaDecoderLayer"}.get(kind, "LlamaDecoderLayer" if "llama" in a.model else None)
     engine = {"use_cpu": True} if world == 1 else engine_arguments(a.engine, layer_cls=layer)
+    if a.save_model and "deepspeed" in engine:
+        engine["deepspeed"]["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     args = TrainingArguments(
-        output_dir=os.path.join(out, "run"), per_device_train_batch_size=GLOBAL_BATCH // world,
-        per_device_eval_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS,
+        output_dir=os.path.join(out, "run"), per_device_train_batch_size=GLOBAL_BATCH * ACCUMULATION // (world * a.accumulation),
+        per_device_eval_batch_size=GLOBAL_BATCH // world, gradient_accumulation_steps=a.accumulation, max_steps=STEPS,
         logging_steps=1, learning_rate=1e-2, max_grad_norm=1.0, report_to="none", disable_tqdm=True, seed=0,
         save_strategy="steps" if a.save else "no", save_steps=a.save or 500, optim=a.optim, **engine,
     )
     callback = AnisoCallback(AnisoConfig(load_entry_points=False, **CONFIGS[name]))
+    start = StartStep()
     if kind == "sft":
         import trl
         from datasets import Dataset
@@ -138,26 +156,29 @@ def train(a: argparse.Namespace, run: str, world: int) -> None:
         args = trl.SFTConfig(**{**args.to_dict(), "max_length": 32, "dataset_text_field": "text", **engine})
         trainer = trl.SFTTrainer(
             model=tiny_llama(vocab=len(VOCAB), tied=False), args=args, train_dataset=Dataset.from_dict({"text": texts(64)}),
-            eval_dataset=Dataset.from_dict({"text": texts(8, seed=1)}), processing_class=tokenizer(), callbacks=[callback],
+            eval_dataset=Dataset.from_dict({"text": texts(8, seed=1)}), processing_class=tokenizer(), callbacks=[callback, start],
         )
     elif kind == "seq2seq":
         from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
         args = Seq2SeqTrainingArguments(**{**args.to_dict(), **engine})
         trainer = Seq2SeqTrainer(
-            model=tiny_marian(), args=args, train_dataset=Pairs(64), eval_dataset=Pairs(8, seed=1), callbacks=[callback]
+            model=tiny_marian(), args=args, train_dataset=Pairs(64), eval_dataset=Pairs(8, seed=1), callbacks=[callback, start]
         )
     else:
         trainer = Trainer(
             model=causal_lm(a.model, out), args=args, train_dataset=TokenDataset(n=64), eval_dataset=TokenDataset(n=8, seed=1),
-            callbacks=[callback],
+            callbacks=[callback, start],
         )
     resume = os.path.join(out, "run", f"checkpoint-{a.resume}") if a.resume else None
     trainer.train(resume_from_checkpoint=resume)
     if "eval" in CONFIGS[name]["metrics"]:
         trainer.evaluate()
+    if a.save_model:
+        trainer.save_model(os.path.join(out, "saved" + (f"_resumed{a.resume}" if a.resume else "")))
     weights = full_weights(trainer, a.engine)
     facts = engine_facts(trainer, callback)
+    facts["start_step"] = start.step
     if trainer.is_world_process_zero():
         records = [
             {k: v for k, v in r.items() if k in ("loss", "eval_loss", "step") or "aniso/" in k}
@@ -179,6 +200,9 @@ def main() -> None:
     parser.add_argument("--save", type=int, default=0)
     parser.add_argument("--optim", default="adamw_torch", help="the TrainingArguments optim")
     parser.add_argument("--resume", type=int, default=0)
+    parser.add_argument("--accumulation", type=int, default=ACCUMULATION,
+                        help=f"micro-batches per step (the step's {GLOBAL_BATCH * ACCUMULATION} sequences split over them and the ranks)")
+    parser.add_argument("--save-model", action="store_true", help="trainer.save_model(OUT/RUN/saved) after training")
     a = parser.parse_args()
     world = 1 if a.engine == "single" else int(os.environ["WORLD_SIZE"])
     install_cpu_shims()

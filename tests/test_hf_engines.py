@@ -179,6 +179,15 @@ def test_every_method_and_metric_equals_one_process_and_resumes(tmp_path, refere
 
 
 @pytest.mark.slow
+def test_agg_over_ranks_and_micro_batches_equals_the_step_as_one_batch(tmp_path, ddp):
+    """DDP's 2 ranks × 2 micro-batches of 2 sequences train AGG exactly as one process with the
+    step's 8 sequences in one batch (AGG counts the whole step before its first forward; before,
+    a step was gated micro-batch by micro-batch, and only a split over ranks was exact)."""
+    run(tmp_path, "single", MAIN, "--accumulation", "1")
+    assert_same_run(result(tmp_path, MAIN), result(ddp, MAIN))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp1", "fsdp1_flat"])
 def test_fsdp1_resumes(tmp_path, engine):
     """FSDP1's AdamW state does not reload exactly through accelerate on CPU, without

@@ -217,6 +217,24 @@ class ModelHandle:
         _set(self.model, self._head, module)
         self._head_shape = tuple(full_shape(module.weight))
 
+    def complete_saved_state(self, module: nn.Module, complete: Callable[[dict[str, torch.Tensor], str], object]) -> None:
+        """Have ``complete(state_dict, prefix)`` fill in, for `module` (a submodule of the model;
+        `prefix` its path in the model's state dict, with the dot), every state dict the
+        framework saves that was built without ``Module.state_dict()``, whose own
+        ``_save_to_state_dict`` and hooks see the others; undone, as part of the head surgery, by
+        `restore`. A plain torch model has no such save (Lightning's checkpoint is its
+        ``state_dict()``): nothing to do here. `aniso_plugins.models.handle.OutputEmbeddingsHandle`
+        completes the dict handed to ``save_pretrained(state_dict=...)`` (DeepSpeed ZeRO-3's
+        consolidated weights; FSDP's full state dict)."""
+
+    def module_path(self, module: nn.Module) -> str:
+        """The path of `module` inside the model (``""``: the model itself); a `SetupError` if it
+        is not inside."""
+        for name, candidate in self.model.named_modules(remove_duplicate=False):
+            if candidate is module:
+                return name
+        raise SetupError(f"{type(module).__name__} is not a submodule of {type(self.model).__name__}")
+
     # --- the journal ------------------------------------------------------------------------
     def on_restore(self, undo: Callable[[], None], *, surgery: bool = False) -> None:
         """Record how to undo a change made to the model: instrumentation (a hook handle's

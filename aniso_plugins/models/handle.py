@@ -14,6 +14,7 @@ from torch import nn
 
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.models.saving import Completion, complete_save_pretrained
 from aniso_plugins.numerics.gathered import full_shape
 
 _MISSING = object()
@@ -123,6 +124,14 @@ class OutputEmbeddingsHandle(ModelHandle):
                 hook(logits)
 
         self.on_restore(self.model.register_forward_hook(on_output).remove)
+
+    def complete_saved_state(self, module: nn.Module, complete: Completion) -> None:
+        """``save_pretrained(state_dict=given)`` completes `given` for `module`
+        (`aniso_plugins.models.saving`): the HF Trainer hands it the state dict under DeepSpeed
+        ZeRO-3 and FSDP."""
+        undo = complete_save_pretrained(self.model, complete, self.module_path(module) + ".")
+        if undo is not None:
+            self.on_restore(undo, surgery=True)
 
     def _model_with_head(self) -> str:
         return _with_head(self.model) or "an LM head"

@@ -1,5 +1,12 @@
 """Replacement LM heads: the low-rank head W = A·B of seed 001, and merging it back.
 
+A low-rank head saves what ``from_pretrained`` of the original model class loads: its state dict
+holds ``weight`` = A·B (`merged_weight`) beside ``A`` and ``B``, and loading a state dict that has
+``A`` and ``B`` drops that ``weight`` (the factors are the trained values, restored exactly).
+``save_pretrained(state_dict=...)`` of a dict built without ``Module.state_dict()`` (DeepSpeed
+ZeRO-3's consolidated weights) gets the same key from `LowRankHead.add_merged_weight`, which
+`HeadSurgeryPlugin` registers with the model handle (`ModelHandle.complete_saved_state`).
+
 Untying needs no helper of its own: `ModelHandle.untie()` gives the head an independent copy
 of the shared weight and calls the handle's ``on_untie`` callback (the HF adapter's sets
 ``config.tie_word_embeddings = False`` so that nothing re-ties it); `HeadSurgeryPlugin` calls it.
@@ -33,8 +40,17 @@ class LowRankHead(nn.Module):
     ``forward(input) = F.linear(input, A·B, bias)``, computed as ``(input·Bᵀ)·Aᵀ``: 2N(rd + Vr)
     flops instead of 2NVd. ``weight`` is a read-only property returning the V×d product A·B
     (differentiable), so code that reads ``head.weight`` (metrics, regularizers, fused losses)
-    sees the effective matrix and its gradient reaches A and B. Use `merge_low_rank` to turn it
-    back into an ``nn.Linear`` before saving a checkpoint other tools load.
+    sees the effective matrix and its gradient reaches A and B.
+
+    Its state dict holds ``weight`` = A·B (`merged_weight`, detached) beside ``A``, ``B`` and
+    ``bias``, so a saved model loads into the original model class (``lm_head.weight``), and a
+    resume restores the factors: `_load_from_state_dict` drops ``weight`` when ``A`` and ``B``
+    are there (``load_state_dict(strict=True)`` of a saved low-rank model works). Only where the
+    state dict holds ``A`` and ``B`` as ordinary full tensors of this head's shapes; an engine's
+    shards (DTensor, ShardedTensor, FSDP1's flat shards, ZeRO-3's placeholders) get no
+    ``weight`` there: the full dict handed to ``save_pretrained`` gets it instead
+    (`add_merged_weight`). `merge_low_rank` turns the head into an ``nn.Linear`` (a clean export:
+    no ``A`` / ``B`` beside the weight).
 
     A new head is initialised randomly (`reset_parameters`); `from_linear` builds one from an
     existing head."""
@@ -75,6 +91,29 @@ class LowRankHead(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(input, self.B), self.A, self.bias)
 
+    def add_merged_weight(self, state_dict: dict[str, torch.Tensor], prefix: str = "") -> bool:
+        """Add ``prefix + "weight"`` = A·B (`merged_weight`) to `state_dict` from its
+        ``prefix + "A"`` and ``prefix + "B"``, where both are ordinary full tensors of this head's
+        shapes (V×r, r×d) and the key is not there yet; returns whether it added it. Anything
+        else (missing factors, an engine's shards or placeholders, DTensors) is left as it is."""
+        key = prefix + "weight"
+        a, b = state_dict.get(prefix + "A"), state_dict.get(prefix + "B")
+        if key in state_dict or not (_plain(a) and _plain(b)):
+            return False
+        if (tuple(a.shape), tuple(b.shape)) != ((self.out_features, self.rank), (self.rank, self.in_features)):
+            return False
+        state_dict[key] = merged_weight(a, b)
+        return True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        self.add_merged_weight(destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "A" in state_dict and prefix + "B" in state_dict:
+            state_dict.pop(prefix + "weight", None)  # A·B, saved for from_pretrained: the factors are loaded
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rank={self.rank}, bias={self.bias is not None}"
 
@@ -114,14 +153,30 @@ class LowRankHead(nn.Module):
         return out
 
 
+def _plain(tensor: object) -> bool:
+    """An ordinary tensor (or Parameter) holding its full values, not an engine's sharded or
+    distributed subclass (DTensor, ShardedTensor) nor a tensor without data (meta)."""
+    return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type != "meta"
+
+
+def merged_weight(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The low-rank head's V×d weight A·B for saving and merging: detached, multiplied in float32
+    or wider (float64 stays float64; bf16 / fp16 factors are not rounded before the product),
+    returned in A's dtype."""
+    wide = torch.promote_types(a.dtype, torch.float32)
+    with torch.no_grad():
+        return (a.detach().to(wide) @ b.detach().to(wide)).to(a.dtype)
+
+
 def merge_low_rank(head: LowRankHead) -> nn.Linear:
     """An ordinary ``nn.Linear`` (weight A·B, same bias, dtype, device and requires_grad) with the
-    same outputs as `head`: what ``save_pretrained`` / ``from_pretrained`` and other tools expect
-    (they store and load ``lm_head.weight``, not ``lm_head.A`` / ``lm_head.B``)."""
+    same outputs as `head` (its weight is `merged_weight`, what the head's state dict saves as
+    ``weight``): a model without the low-rank head, for code that reads the module rather than a
+    saved file."""
     if not isinstance(head, LowRankHead):
         raise TypeError(f"merge_low_rank expects a LowRankHead, got {type(head).__name__}")
     with torch.no_grad():
-        weight = head.weight
+        weight = merged_weight(head.A, head.B)
         linear = nn.Linear(
             head.in_features, head.out_features, bias=head.bias is not None, device=weight.device, dtype=weight.dtype
         )
@@ -134,9 +189,11 @@ def merge_low_rank(head: LowRankHead) -> nn.Linear:
 
 def merge_low_rank_heads(model: nn.Module) -> list[str]:
     """Replace, in place, every `LowRankHead` inside `model` by its `merge_low_rank` Linear;
-    returns their submodule paths. Call it before ``save_pretrained`` for the final export (not
-    for mid-training checkpoints: a resumed run loads ``A`` / ``B`` into the low-rank head that
-    its set-up builds again).
+    returns their submodule paths. Not needed to save a loadable model: a low-rank head's state
+    dict already holds ``weight`` = A·B, which ``from_pretrained`` loads (beside ``A`` / ``B``,
+    which it reports as unused, and which a resumed run loads into the low-rank head its set-up
+    builds again). Merge for a clean export (a file with ``lm_head.weight`` only, no unused keys),
+    or to hand the model in memory to code that expects an ``nn.Linear`` head.
 
     A low-rank head is independent of the input embedding. `HeadSurgeryPlugin` unties the model before
     building it, which (through the handle's ``on_untie``) sets a transformers model's
@@ -161,4 +218,4 @@ def merge_low_rank_heads(model: nn.Module) -> list[str]:
     return paths
 
 
-__all__ = ["LOWRANK_INITS", "LowRankHead", "merge_low_rank", "merge_low_rank_heads"]
+__all__ = ["LOWRANK_INITS", "LowRankHead", "merge_low_rank", "merge_low_rank_heads", "merged_weight"]

@@ -12,9 +12,12 @@ an untied head.
   independent".
 - "lowrank": the head becomes `LowRankHead.from_linear(head, lowrank_rank, lowrank_init)`
   (W = A·B, seed 001). A tied model is untied first: the low-rank head is independent of the
-  input embedding, which keeps the original matrix. Before the final ``save_pretrained``, call
-  `aniso_plugins.merge_low_rank_heads(model)` so that the checkpoint holds an ordinary
-  ``lm_head.weight``.
+  input embedding, which keeps the original matrix. A save holds ``lm_head.weight`` = A·B
+  beside ``lm_head.A`` / ``lm_head.B`` (the head's state dict; and, registered here with
+  `ModelHandle.complete_saved_state`, a state dict handed to ``save_pretrained`` by the HF
+  Trainer under ZeRO-3 or FSDP): ``from_pretrained`` of the original class loads the trained
+  head, a resume the factors. `aniso_plugins.merge_low_rank_heads(model)` remains the clean
+  export (``lm_head.weight`` only).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ class HeadSurgeryPlugin(Plugin):
             raise SetupError(f"head='lowrank' (lowrank_rank={config.lowrank_rank}): {e}") from e
         model.untie()
         model.set_head(head)
+        model.complete_saved_state(head, head.add_merged_weight)
 
 
 __all__ = ["HeadSurgeryPlugin"]
