@@ -222,6 +222,94 @@ def test_a_ctrl_c_in_the_rename_is_held_and_one_after_the_commit_exits_0(models,
     assert "interrupted after" in capsys.readouterr().err
 
 
+CTRL_C_AT = '''"""Run `aniso report` as the console script does, sys.exit(main()), with the user's Ctrl-C
+(signal.raise_signal(SIGINT)) delivered at the moment named by the first argument."""
+import atexit
+import builtins
+import signal
+import sys
+from pathlib import Path
+
+from aniso_plugins.offline import cli, commands, output
+from aniso_plugins.offline.report import Report
+
+moment = sys.argv.pop(1)
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+
+
+def ctrl_c():
+    signal.raise_signal(signal.SIGINT)
+
+
+def patch_after(owner, name, when):
+    real = getattr(owner, name)
+
+    def patched(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if when(*args):
+            ctrl_c()
+        return result
+
+    setattr(owner, name, patched)
+
+
+class Watchers(list):  # the watch_commits lists: emptied as main leaves its with-blocks
+    def remove(self, item):
+        super().remove(item)
+        ctrl_c()
+
+
+if moment == "writing":  # report.json written into the temporary folder: before the commit
+    patch_after(Report, "to_json", lambda *a: True)
+elif moment == "last_file":  # the rename that puts the finished folder in place
+    patch_after(output.os, "replace", lambda src, dst: Path(dst) == out)
+elif moment == "last_line":  # the command's last line printed
+    commands.print = builtins.print
+    patch_after(commands, "print", lambda *a: str(a[0]).startswith("aniso report: wrote"))
+elif moment == "leaving_main":  # the command returned, main leaving its with-blocks
+    output._WATCHERS = Watchers(output._WATCHERS)
+elif moment == "at_exit":  # the interpreter exiting
+    atexit.register(ctrl_c)
+code = cli.main()
+if moment == "after_main":  # main returned, sys.exit not called yet
+    ctrl_c()
+sys.exit(code)
+'''
+"""A wrapper run by the CLI test below: ``python ctrl_c_at.py MOMENT report ...``."""
+
+
+@pytest.mark.parametrize("moment", ["writing", "last_file", "last_line", "leaving_main", "after_main", "at_exit"])
+def test_a_ctrl_c_once_the_report_is_committed_exits_0_in_the_cli_process(models, tmp_path, moment):
+    """Issue #53: the CLI in a process of its own, run as the console script runs it, a SIGINT
+    at a given moment: while the files are written, 130 and no report; from the rename of the
+    finished folder on (the last file landing, the last line printed, main leaving, after main,
+    at exit) 0 and the report whole. Before, a Ctrl-C once main had returned ended the process
+    by the signal (-2), one while main left its with-blocks too, and one at exit printed a
+    KeyboardInterrupt."""
+    script = tmp_path / "ctrl_c_at.py"
+    script.write_text(CTRL_C_AT)
+    out = tmp_path / "o"
+    p = subprocess.run([sys.executable, str(script), moment, "report", str(models / "bare"), "--out", str(out),
+                        "--no-plots", "--json"], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    if moment == "writing":
+        assert p.returncode == 130, (p.returncode, p.stderr)
+        assert p.stderr.strip().splitlines()[-1] == "aniso report: interrupted" and p.stdout == ""
+        assert [f.name for f in tmp_path.iterdir()] == [script.name]  # no report, no temporary folder
+        return
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    assert sorted(f.name for f in out.iterdir()) == ["report.json", "report.md"]
+    written = json.loads((out / "report.json").read_text())
+    assert written["models"][0]["name"] == "bare" and "## Geometry" in (out / "report.md").read_text()
+    assert sorted(f.name for f in tmp_path.iterdir()) == sorted([script.name, "o"])
+    if moment == "last_file":  # the command stops there: what it had not printed yet is cut short
+        assert p.stderr.strip().splitlines()[-1] == (f"aniso report: interrupted after {out} was written in full; "
+                                                     "it holds the new output")
+    else:  # the whole output: the JSON on stdout, the last line on stderr
+        assert json.loads(p.stdout) == written
+        assert f"aniso report: wrote 2 files to {out}" in p.stderr.splitlines()
+
+
 def test_help_shows_two_examples_and_no_command_prints_it(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])

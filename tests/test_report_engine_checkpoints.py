@@ -2,7 +2,8 @@
 shards, consolidated by DeepSpeed's zero_to_fp32) and under accelerate's FSDP2 with
 ``SHARDED_STATE_DICT`` (a DCP folder, ``pytorch_model_fsdp_0``): real 2-process runs of
 tests/hf_engine_script.py, whose gathered final weights (``weights.safetensors``) are the reference
-for ``checkpoint-4``; and the errors of an incomplete DeepSpeed checkpoint."""
+for ``checkpoint-4``; a ZeRO-3 run with the low-rank head (its head reported as A·B of the
+consolidated factors); and the errors of an incomplete DeepSpeed checkpoint."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from aniso_plugins.offline.errors import ReportError
 from aniso_plugins.offline.sources import load_model
 from test_report import ref_mean_cosine
 from test_report_checkpoints import _report
+from test_report_lowrank import AB_NOTE, assert_head, ref_product
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +35,17 @@ INNER = {"zero3": "global_step4", "zero2": "global_step4", "fsdp2_sharded": "pyt
 NAMES = {"embedding": "model.embed_tokens.weight", "head": "lm_head.weight"}
 
 
-def _train(out: Path, engine: str) -> Path:
-    """hf_engine_script on 2 gloo processes, checkpointing at steps 2 and 4; its run folder."""
+def _train(out: Path, engine: str, run: str | None = None, save: int = 2) -> Path:
+    """hf_engine_script on 2 gloo processes (the configuration `run`, default ``RUNS[engine]``),
+    checkpointing every `save` steps (2: at steps 2 and 4); its run folder."""
+    run = run or RUNS[engine]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent / "examples"), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(HERE / "hf_engine_script.py"), str(out), engine, RUNS[engine], "--save", "2"]
+           str(HERE / "hf_engine_script.py"), str(out), engine, run, "--save", str(save)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-6000:]}"
-    return out / RUNS[engine]
+    return out / run
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,27 @@ def test_a_checkpoint_is_reported_as_its_gathered_weights(trained, tmp_path, eng
         assert loaded.tied is tied and set(loaded.matrices) == set(from_ckpt["matrices"])
         for role, source in loaded.matrices.items():
             assert torch.equal(source.read(0, source.shape[0]), weights[NAMES[role]]), (path, role)
+
+
+def test_a_zero3_checkpoint_of_a_low_rank_run_reports_a_times_b(tmp_path):
+    """hf_engine_script's "lowrank" configuration (AnisoConfig(head="lowrank", lowrank_rank=4))
+    under ZeRO-3: the shards hold lm_head.A and lm_head.B, no lm_head.weight (before issue #53 the
+    report had no head); the head is their product, against the gathered factors in float64."""
+    run = _train(tmp_path / "zero3_lowrank", "zero3", run="lowrank", save=4)
+    ckpt = run / "run" / "checkpoint-4"
+    weights = load_file(run / "weights.safetensors")
+    assert {"lm_head.A", "lm_head.B"} <= set(weights) and "lm_head.weight" not in weights
+    w = ref_product(weights["lm_head.A"], weights["lm_head.B"])
+    p, data = _report(ckpt, ckpt / "global_step4", "--out", tmp_path / "r")
+    assert p.returncode == 0, p.stderr
+    for m in data["models"]:
+        assert m["kind"] == "deepspeed" and m["tied"] is False and set(m["matrices"]) == {"embedding", "head"}
+        assert m["notes"] == [AB_NOTE]
+        assert_head(m["matrices"]["head"], w)
+        e = weights[NAMES["embedding"]].double().numpy()
+        assert m["matrices"]["embedding"]["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(e), rel=1e-6, abs=1e-9)
+    head = load_model(ckpt).matrices["head"]
+    torch.testing.assert_close(head.read(0, head.shape[0]).double(), torch.from_numpy(w), rtol=1e-6, atol=1e-7)
 
 
 def test_parameter_names_of_an_fsdp_checkpoint_are_the_models(trained):

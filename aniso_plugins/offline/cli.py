@@ -6,7 +6,10 @@
     aniso postprocess MODEL --text-file FILE --transform whitening [--k K] --out DIR
 
 A thin layer over `aniso_plugins.offline.report.analyze`: bad input is one line on stderr
-(``aniso report: error: ...``) and exit code 2; set ANISO_DEBUG=1 for the traceback.
+(``aniso report: error: ...``) and exit code 2; set ANISO_DEBUG=1 for the traceback. The console
+script ``aniso`` and ``python -m aniso_plugins.offline.cli`` run ``sys.exit(main())``: `main`
+without arguments is the process's own command, and a Ctrl-C after it has its exit code (the
+output committed: 0) cannot change that code, up to the interpreter's exit.
 """
 
 from __future__ import annotations
@@ -95,19 +98,28 @@ class _CtrlC:
     import and fails on the retry (numpy's "cannot load module more than once per process")
     still exits 130, and one that lands in a finalizer, where Python prints it and drops it,
     prints nothing (the command then runs on: a second Ctrl-C stops it). Inside `held()` it is
-    only remembered, and raised at the block's end."""
+    only remembered, and raised at the block's end; once the command has its exit code (`done`),
+    it is only remembered: nothing can turn a finished command into an interrupted one."""
 
     def __init__(self) -> None:
         self.seen = False
         self._holding = False
+        self._done = False
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         self.seen = True
-        if not self._holding:
+        if not (self._holding or self._done):
             raise KeyboardInterrupt
 
+    def done(self, code: int = 0) -> int:
+        """`code`: the command's exit code is final from here on, a later Ctrl-C is not raised."""
+        self._done = True
+        return code
+
     @contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self, then: Any = None) -> Iterator[None]:
+        """The handler while the block runs; at its end, `then` (a handler, or ``signal.SIG_IGN``),
+        or by default the handler that was there before (an in-process caller's own)."""
         if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
             yield
             return
@@ -122,7 +134,7 @@ class _CtrlC:
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, previous if then is None else then)
             sys.unraisablehook = previous_hook
 
     @contextmanager
@@ -152,9 +164,16 @@ def _interrupted(command: str, committed: list) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Parse, then run the subcommand; every failure and a Ctrl-C at any point, torch's import
     included, is one line on stderr (exit 2 bad input, 1 unexpected, 130 interrupted before the
-    output was committed, 0 after). No command: the help on stderr, exit 2."""
+    output was committed, 0 after). No command: the help on stderr, exit 2.
+
+    Without `argv` (``sys.argv[1:]``: the console script ``aniso``, ``python -m
+    aniso_plugins.offline.cli``, both ``sys.exit(main())``), the process is the command's own:
+    SIGINT is left ignored when main returns, so that a Ctrl-C from then until the interpreter
+    has exited (in ``sys.exit``, atexit, teardown) cannot end the process by the signal (exit
+    status -2 / 130) after the output was committed: it exits with main's code. With `argv`
+    (called in-process), the caller's SIGINT handler is put back."""
     ctrl_c = _CtrlC()
-    with ctrl_c.installed(), watch_commits() as committed:
+    with ctrl_c.installed(then=signal.SIG_IGN if argv is None else None), watch_commits() as committed:
         words = sys.argv[1:] if argv is None else argv
         command = next((w for w in words if not w.startswith("-")), "")  # for the message before parsing ends
         try:
@@ -163,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.command is None:
                 parser.print_help(sys.stderr)
                 print("\naniso: error: a command is required (report or postprocess)", file=sys.stderr)
-                return EXIT_USAGE
+                return ctrl_c.done(EXIT_USAGE)
             command = args.command
             with ctrl_c.held():
                 from aniso_plugins.offline.commands import COMMANDS  # torch loads here
 
-            return COMMANDS[args.command](args)
+            # done inside the try: a Ctrl-C before it is caught below (0 once committed), none after is raised
+            return ctrl_c.done(COMMANDS[args.command](args))
         except (KeyboardInterrupt, Exception) as e:
+            ctrl_c.done()  # the exit code is decided below; a Ctrl-C from here on does not interrupt that
             if isinstance(e, KeyboardInterrupt) or ctrl_c.seen:
                 return _interrupted(command, committed)
             if isinstance(e, ReportError):

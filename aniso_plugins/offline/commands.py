@@ -66,6 +66,10 @@ def report(a: argparse.Namespace) -> int:
     with warnings_on_stderr("report"):
         report = analyze(a.models, text, matrices, post, progress=not a.quiet)
     for m in report.models:
+        if not a.quiet:  # what the report says about how a model was read; its warnings are logged
+            for note in m.get("notes", []):
+                if note not in m.get("_warnings", []):
+                    print(f"aniso report: note: {m['name']}: {note}", file=sys.stderr)
         if m.get("text", {}).get("warning"):
             print(f"aniso report: warning: {m['name']}: {m['text']['warning']}", file=sys.stderr)
     paths = report.write(a.out, plots=plots)

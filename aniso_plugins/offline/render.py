@@ -235,7 +235,8 @@ def render_markdown(report: Report, plots: Sequence[str] = ()) -> str:
     """The report's tables as Markdown, and the pictures `plots` (file names beside report.md)."""
     md = ["# Embedding geometry report", ""]
     md.append(", ".join(f"**{m['name']}** ({m['kind']}{', tied' if m.get('tied') else ''}): `{m['path']}`" for m in report.models))
-    md += ["", "## Geometry", "", _geometry_table(_columns(report)), ""]
+    notes = [f"> **{m['name']}**: {note}" for m in report.models for note in m.get("notes", [])]
+    md += ["", *notes, *([""] if notes else []), "## Geometry", "", _geometry_table(_columns(report)), ""]
     for pname in report.settings.get("postprocess") or []:
         cols = [(c, g["postprocessed"][pname]) for c, g in _columns(report) if pname in g.get("postprocessed", {})]
         md += [f"## After {pname}", "", _geometry_table(cols), "", _SCALE_NOTE.format(

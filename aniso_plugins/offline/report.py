@@ -19,6 +19,7 @@ and `MatrixOptions`, `write_report`, `Report`, `ReportError`); the work is done 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ from aniso_plugins.offline.text_pass import (
 )
 
 FORMAT_VERSION = 1
+logger = logging.getLogger(__name__)
 SENTENCE_KINDS = ("encoder", "masked-lm")
 """Model kinds whose pooled sentence embeddings of the text are measured (`sentence_entry`)."""
 
@@ -237,7 +239,10 @@ def _model_entry(lm: LoadedModel, corpus: str | None, count_text: str | None, tr
         return source_geometry(source, transforms, gram_rows=matrices.gram_rows, gram_flops=matrices.gram_flops,
                                progress=bar, block_rows=BLOCK_ROWS)
 
-    entry: dict[str, Any] = {"name": lm.name, "path": lm.path, "kind": lm.kind, "tied": lm.tied, "matrices": {}}
+    entry: dict[str, Any] = {"name": lm.name, "path": lm.path, "kind": lm.kind, "tied": lm.tied,
+                             "notes": list(lm.notes), "_warnings": list(lm.warnings), "matrices": {}}
+    for warning in lm.warnings:  # the CLI shows them as "aniso report: warning: ..." lines
+        logger.warning("%s: %s", lm.name, warning)
     ids = tokens(lm, corpus, text.max_tokens) if corpus is not None else None
     count_ids = tokens(lm, count_text, text.max_count_tokens) if count_text is not None else None
     for key, source in lm.matrices.items():
