@@ -347,7 +347,7 @@ def test_setup_and_input_errors():
         AnisoPlugins(config(metrics=("hidden",))).setup(ModelHandle(model, head="lm_head"))
     plugins = AnisoPlugins(config(metrics=("frequency", "eval")))
     plugins.setup(handle(model))
-    with pytest.raises(ValueError, match=r"targets must lie in \[0, 50\)"):
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 50\).*got values in \[1, 50\]"):
         plugins.targets(torch.tensor([[1, 50]]), StepInfo(step=1))
     with pytest.raises(ValueError, match="expected logits"):
         plugins.eval_batch(torch.zeros(2, 3, V + 1), torch.zeros(2, 3, dtype=torch.long))

@@ -18,20 +18,22 @@ import torch
 
 class _AttachLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+        ctx.scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         shape, dtype, device = ctx.loss_meta
-        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+        scale = torch.as_tensor(ctx.scale, dtype=dtype, device=device)  # a device tensor stays there: no host read
+        return grad_output, scale.expand(shape).clone(), None
 
 
-def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Return `output` (same value) such that backward through it also backpropagates
-    ``scale * loss``. `loss` is a differentiable scalar; `output` must reach the loss."""
+    ``scale * loss``. `loss` is a differentiable scalar; `output` must reach the loss; `scale` a
+    number or a 0-dim tensor on the loss's device (an fp16 loss scale, read without a host read)."""
     if loss.dim() != 0:
         raise ValueError(f"attach_loss: loss must be a scalar, got shape {tuple(loss.shape)}")
     if not loss.requires_grad:

@@ -31,13 +31,30 @@ class DeepSpeedLossScale:
     def is_enabled(self) -> bool:
         return True
 
-    def get_scale(self) -> float:
-        probe = torch.ones((), requires_grad=True).clone()  # a loss to DeepSpeed: one element with a grad_fn
+    def scale_tensor(self, device: torch.device | str) -> torch.Tensor:
+        """The scale as a 0-dim tensor on `device` (the engine's): no host read."""
+        probe = torch.ones((), device=device, requires_grad=True).clone()  # a loss to DeepSpeed: one element with a grad_fn
         optimizer = self._engine.optimizer
         if hasattr(optimizer, "scale_if_loss"):  # a ZeRO optimizer
-            return float(optimizer.scale_if_loss(probe))
+            return optimizer.scale_if_loss(probe).detach()
         scaler = getattr(self._engine, "torch_autocast_z0_gradscaler", None)
-        return float(scaler.scale(probe)) if scaler is not None else 1.0
+        return scaler.scale(probe).detach() if scaler is not None else probe.detach()
+
+    def get_scale(self) -> float:
+        return float(self.scale_tensor(self._engine.device))
 
 
-__all__ = ["DeepSpeedLossScale", "GradScaler"]
+def amp_scale(scaler: GradScaler, device: torch.device | str) -> torch.Tensor | float:
+    """What `scaler` multiplies the loss by, without a host read where it can: its
+    ``scale_tensor(device)`` (`DeepSpeedLossScale`), or a ``torch.amp.GradScaler``'s scale tensor
+    (``_get_scale_async()``, on its device); before its first ``scale()`` (no tensor yet) or for
+    another scaler, ``get_scale()``, a float (``torch.amp.GradScaler``: its initial scale, no read)."""
+    tensor = getattr(scaler, "scale_tensor", None)
+    if callable(tensor):
+        return tensor(device)
+    held = getattr(scaler, "_get_scale_async", None)
+    scale = held() if callable(held) else None
+    return scale.to(device) if scale is not None else float(scaler.get_scale())
+
+
+__all__ = ["DeepSpeedLossScale", "GradScaler", "amp_scale"]

@@ -56,7 +56,7 @@ class AnisoPlugins:
             for plugin in made or ():
                 self.register(plugin)
         self.pm.check_pending()
-        self.last_loss_terms: dict[str, float] = {}
+        self.last_loss_terms: dict[str, torch.Tensor] = {}  # detached, read at the next measurement
         self._shares: dict[str, torch.Tensor] = {}  # this step's activation-term shares, summed
         self._last_shares: dict[str, torch.Tensor] = {}  # ... of the last finished step
 
@@ -123,14 +123,14 @@ class AnisoPlugins:
 
     def loss_terms(self, step: StepInfo) -> torch.Tensor | None:
         """Sum of the plugins' loss terms for this micro-batch (None if there are none).
-        Remembers their values for the next measurement."""
+        Remembers their values (detached tensors: no host read) for the next measurement."""
         total = None
-        values: dict[str, float] = {}
+        values: dict[str, torch.Tensor] = {}
         for terms in self.pm.hook.aniso_loss_terms(step=step):
             for name, term in (terms or {}).items():
                 if name in values:
                     raise ConfigError(f"two plugins returned a loss term named {name!r}: give one of them another name")
-                values[name] = float(term.detach())
+                values[name] = term.detach()
                 total = term if total is None else total + term
         self.last_loss_terms = values
         return total
@@ -192,7 +192,9 @@ class AnisoPlugins:
             for name, value in (part or {}).items():
                 out[METRIC_PREFIX + name] = float(value)
         if kind == "train":
-            out.update({f"{METRIC_PREFIX}loss/{k}": v for k, v in self.last_loss_terms.items()})
+            terms = self.last_loss_terms  # one read of them all
+            read = torch.stack([v.to(torch.float64) for v in terms.values()]).tolist() if terms else []
+            out.update({f"{METRIC_PREFIX}loss/{k}": v for k, v in zip(terms, read)})
             out.update({f"{METRIC_PREFIX}loss/{k[len(_SHARE):]}": float(v) for k, v in reduced.items() if k.startswith(_SHARE)})
         return out
 

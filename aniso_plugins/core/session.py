@@ -46,7 +46,7 @@ from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.errors import StateError
 from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.loss import attach_loss, zero_through
-from aniso_plugins.core.loss_scale import GradScaler
+from aniso_plugins.core.loss_scale import GradScaler, amp_scale
 from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
@@ -348,7 +348,7 @@ class TrainingSession:
             return hidden
         self._activations_due = False
         total = self.plugins.activation_loss_terms(hidden, self._targets, self._current)
-        return hidden if total is None else attach_loss(hidden, total, self._activation_scale())
+        return hidden if total is None else attach_loss(hidden, total, self._gradient_scale(hidden.device) * self._share_weight())
 
     def supplied_loss(self) -> torch.Tensor:
         """The loss of a micro-batch announced with ``supplies_loss=True``, after its forward:
@@ -378,19 +378,21 @@ class TrainingSession:
         """The layout's batch group, or its world (`StepInfo.batch_group`)."""
         return self.layout.batch_group if self.layout.batch_group is not None else self.layout.world
 
-    def _gradient_scale(self) -> float:
-        """Weight of a term identical on every rank (the weight loss terms)."""
+    def _gradient_scale(self, device: torch.device) -> float | torch.Tensor:
+        """Weight of a term identical on every rank (the weight loss terms): ``loss_scale``, times
+        the fp16 loss scale where a scaler is on, as a tensor on `device` (`amp_scale`: no host read)."""
         scaler = self._grad_scaler
-        amp = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-        return self._loss_scale * amp
+        if scaler is None or not scaler.is_enabled():
+            return self._loss_scale
+        return self._loss_scale * amp_scale(scaler, device)
 
-    def _activation_scale(self) -> float:
-        """Weight of a rank's share, ``loss_scale · world / copies²``: the trainer's reduction
-        of ``loss_scale``-weighted terms over the ``world / copies`` data-parallel ranks makes
-        the shares sum (DDP averages: 1 · world; torchtitan sums: 1/dp · dp), and the
-        ``copies`` ranks holding one micro-batch (TP, the layout's ``batch_copies``) sum the
-        head input's gradient, so each adds 1/copies of it."""
-        return self._gradient_scale() * rank_and_world()[1] / self.layout.batch_copies**2
+    def _share_weight(self) -> float:
+        """Weight of a rank's share relative to `_gradient_scale`, ``world / copies²``: the
+        trainer's reduction of ``loss_scale``-weighted terms over the ``world / copies``
+        data-parallel ranks makes the shares sum (DDP averages: 1 · world; torchtitan sums:
+        1/dp · dp), and the ``copies`` ranks holding one micro-batch (TP, the layout's
+        ``batch_copies``) sum the head input's gradient, so each adds 1/copies of it."""
+        return rank_and_world()[1] / self.layout.batch_copies**2
 
     def _on_head_input(self, module: nn.Module, args):
         if self._activations_due and module.training and args and isinstance(args[0], torch.Tensor):
@@ -435,7 +437,7 @@ class TrainingSession:
             self._activations_due = False
             shares = self.plugins.activation_loss_terms(hidden, self._targets, self._current)
             if shares is not None:
-                total = shares * (self._activation_scale() / self._gradient_scale())
+                total = shares * self._share_weight()
         if self._loss_due:
             self._loss_due = False
             terms = self.plugins.loss_terms(self._current)
@@ -447,9 +449,9 @@ class TrainingSession:
             value = total.detach().requires_grad_()
             if rank_and_world()[1] > 1:  # DDP all-reduces only once every parameter of the forward has a
                 value = value + zero_through(output)  # gradient: the head's get zeros (one backward through it)
-            self._supplied = attach_loss(value, total, self._gradient_scale())
+            self._supplied = attach_loss(value, total, self._gradient_scale(output.device))
             return None
-        return attach_loss(output, total, self._gradient_scale())
+        return attach_loss(output, total, self._gradient_scale(output.device))
 
     # --- measurement ------------------------------------------------------------------------
     @_in_world

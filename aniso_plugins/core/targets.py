@@ -80,6 +80,34 @@ def sequence_ids(
     return ids
 
 
+def count_targets(
+    targets: torch.Tensor | list[torch.Tensor], vocab_size: int, ignore_index: int = -100, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Occurrences of each id in `targets` (one tensor or several), int64 (V,), on `device` (default:
+    the targets'): positions equal to `ignore_index` are skipped, any other must lie in [0, V).
+    No value is read back to the host: ``index_add_`` (not ``bincount``, which reads the range back
+    on CUDA) with the ignored positions sent to a spare bin, and the range checked with
+    ``torch._assert_async``; where that check runs at once (CPU tensors) a failure is a
+    `ValueError` naming the range found."""
+    parts = [targets] if isinstance(targets, torch.Tensor) else list(targets)
+    for part in parts:
+        if part.dtype.is_floating_point or part.dtype.is_complex or part.dtype == torch.bool:
+            raise TypeError(f"targets: expected an integer tensor of token ids, got dtype {part.dtype}")
+    device = torch.device(device) if device is not None else parts[0].device if parts else torch.device("cpu")
+    flat = torch.cat([p.detach().reshape(-1).to(device, torch.int64) for p in parts]) if parts else \
+        torch.zeros(0, dtype=torch.int64, device=device)
+    valid = flat != ignore_index
+    message = f"targets: ids must be in [0, {vocab_size}) or equal ignore_index={ignore_index}"
+    try:
+        torch._assert_async((((flat >= 0) & (flat < vocab_size)) | ~valid).all(), message)
+    except RuntimeError:  # raised at once where the check runs on the host: say what was found
+        found = flat[valid]
+        raise ValueError(f"{message}; got values in [{int(found.min())}, {int(found.max())}]") from None
+    binned = torch.where(valid, flat, vocab_size)  # ignored positions into a spare last bin
+    counts = torch.zeros(vocab_size + 1, dtype=torch.int64, device=device)
+    return counts.index_add_(0, binned, torch.ones_like(binned))[:vocab_size]
+
+
 class MicroBatchTargets(NamedTuple):
     """What an adapter hands `aniso_plugins.TrainingSession.begin_micro_batch` for one batch:
     the head-aligned targets (None: the batch has no labels) and, shaped like them, the
@@ -198,6 +226,7 @@ __all__ = [
     "TargetFunction",
     "TargetRule",
     "causal_targets",
+    "count_targets",
     "micro_batch_targets",
     "sequence_ids",
     "target_rule",

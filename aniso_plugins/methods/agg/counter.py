@@ -11,9 +11,12 @@ an optimizer step's micro-batches together before the first is gated (the whole 
 batch or as DDP ranks see it; docs/methods.md §1.1).
 
 `SlidingTokenCounter` returns exactly the same ``a`` (same float32 division of the same integers) but
-stores what the window really holds: one sparse (ids, counts) pair per step plus a running
-total over the window. An update costs O(n log n) in the n targets counted (one
-sort), ending a step O(tokens of the step + tokens of the evicted step); nothing is O(K·V).
+stores what the window really holds, where a training step never waits for it: the running total
+over the window and the current step's counts live on the model's device (counted with
+``index_add_``, checked with ``torch._assert_async``: no host read); each completed step is copied
+to the host asynchronously and kept there as a sparse (ids, counts) pair, resolved a step later
+(when its copy has long arrived). Ending a step costs O(V) on the device plus O(tokens of the
+evicted step) on the host; nothing is O(K·V).
 """
 
 from __future__ import annotations
@@ -21,30 +24,49 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from aniso_plugins.core.targets import count_targets
+from aniso_plugins.numerics.host_copy import HostCopy, to_device
 
 __all__ = ["SlidingTokenCounter"]
 
 
-def _compact(ids: torch.Tensor, counts: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _compact(ids: np.ndarray, counts: np.ndarray, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Smallest integer dtypes that hold the ids (< vocab_size) and the counts exactly."""
-    if vocab_size <= 2**15:
-        ids = ids.to(torch.int16)
-    elif vocab_size <= 2**16:
-        ids = ids.to(torch.uint16)
-    else:
-        ids = ids.to(torch.int32)
-    top = int(counts.max()) if counts.numel() else 0
-    counts = counts.to(torch.int16 if top < 2**15 else torch.int32)
-    return ids, counts
+    id_type = np.int16 if vocab_size <= 2**15 else np.uint16 if vocab_size <= 2**16 else np.int32
+    top = int(counts.max()) if counts.size else 0
+    return ids.astype(id_type), counts.astype(np.int16 if top < 2**15 else np.int32)
 
 
-def _coalesce(ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum the counts of repeated ids; returns sorted unique int64 ids and int64 counts."""
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    summed = torch.zeros(unique.numel(), dtype=torch.int64).index_add_(0, inverse, counts.to(torch.int64))
-    return unique, summed
+class _Step:
+    """One completed step's counts: on the device until resolved (`device`, with its copy to the
+    host under way), then a sparse (ids, counts) pair on the host."""
+
+    def __init__(self, counts: torch.Tensor | None = None, sparse: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        self.device = counts
+        self._copy = HostCopy(counts) if counts is not None else None
+        self._sparse = sparse
+
+    def sparse(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, counts) pair (waits for the copy to the host, if it is still under way)."""
+        if self._sparse is None:
+            if self._copy is None:
+                self._sparse = (np.zeros(0, np.int16), np.zeros(0, np.int16))
+            else:
+                dense = self._copy.result()
+                ids = np.flatnonzero(dense)
+                self._sparse = _compact(ids, dense[ids], vocab_size)
+            self.device = self._copy = None
+        return self._sparse
+
+    @property
+    def nbytes(self) -> int:
+        if self._sparse is not None:
+            return self._sparse[0].nbytes + self._sparse[1].nbytes
+        return self._copy.nbytes if self._copy is not None else 0
 
 
 class SlidingTokenCounter:
@@ -55,10 +77,14 @@ class SlidingTokenCounter:
         window: K, optimizer steps remembered (the official code: updates per epoch).
         always_frequent: ids whose appearance is forced to 1 (fairseq's specials).
         ignore_index: target value that is never counted.
+        device: where the running counts live (the model's: the targets' device).
 
     Protocol per optimizer step t = 1, 2, ...: `update` with the step's training targets (AGG
     counts the step's micro-batches together, before the first forward), `appearance` whenever
-    gates are needed (it includes what was counted of step t), `step` after the optimizer step. Storage is on the CPU whatever the targets' device.
+    gates are needed (it includes what was counted of step t), `step` after the optimizer step.
+    None of them reads a value back to the host; `counts`, `appearance` and friends return
+    tensors on `device`. `state_dict`, `nbytes` and `tokens_per_step` read (call them at
+    measurement or checkpoint time).
     """
 
     def __init__(
@@ -68,12 +94,13 @@ class SlidingTokenCounter:
         *,
         always_frequent: Iterable[int] = (),
         ignore_index: int = -100,
+        device: torch.device | str = "cpu",
     ) -> None:
         if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r}: expected an integer >= 1")
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise ValueError(f"window={window!r}: expected an integer >= 1 (optimizer steps remembered)")
-        always = tuple(int(i) for i in always_frequent)
+        always = tuple(dict.fromkeys(int(i) for i in always_frequent))  # distinct, in order
         bad = [i for i in always if not 0 <= i < vocab_size]
         if bad:
             raise ValueError(f"always_frequent={always!r}: ids {bad} are outside [0, {vocab_size})")
@@ -81,11 +108,12 @@ class SlidingTokenCounter:
         self.window = window
         self.always_frequent = always
         self.ignore_index = ignore_index
-        self._always = torch.tensor(always, dtype=torch.int64)
+        self.device = torch.device(device)
+        self._always = torch.tensor(always, dtype=torch.int64, device=self.device)
         self._t = 1
-        self._total = torch.zeros(vocab_size, dtype=torch.int64)
-        self._ring: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # completed steps, oldest first
-        self._current: list[tuple[torch.Tensor, torch.Tensor]] = []  # what was counted of step t
+        self._total = torch.zeros(vocab_size, dtype=torch.int64, device=self.device)
+        self._ring: deque[_Step] = deque()  # completed steps, oldest first
+        self._current: torch.Tensor | None = None  # dense counts of step t, on the device
 
     # --- reading ------------------------------------------------------------------------------
     @property
@@ -98,52 +126,65 @@ class SlidingTokenCounter:
         """min(t, K): the divisor of the appearance."""
         return min(self._t, self.window)
 
+    @property
+    def always_frequent_ids(self) -> torch.Tensor:
+        """`always_frequent` as int64 ids on the device."""
+        return self._always
+
     def counts(self) -> torch.Tensor:
         """c, int64 (V,): occurrences of each id in the last ≤ K steps, the current one included."""
         return self._total.clone()
+
+    def _with_specials(self, a: torch.Tensor) -> torch.Tensor:
+        return a.index_fill_(0, self._always, 1.0) if self._always.numel() else a
 
     def appearance(self) -> torch.Tensor:
         """a, float32 (V,): a_k = c_k / min(t, K), and 1 for `always_frequent` ids.
 
         Same float32 arithmetic as the official ``word_count.sum(0) / min(itr, K)``
         (docs/methods.md §1.1; exact for counts below 2**24)."""
-        a = self._total.to(torch.float32) / self.steps_in_window
-        if self._always.numel():
-            a[self._always] = 1.0
-        return a
+        return self._with_specials(self._total.to(torch.float32) / self.steps_in_window)
 
     def appearance_per_tokens(self, tokens: int) -> torch.Tensor:
         """a, float32 (V,): the appearance per `tokens` target tokens instead of per step,
         a_k = tokens · c_k / Σ_j c_j = (c_k / min(t, K)) · tokens / T̄ with T̄ = Σ_j c_j / min(t, K)
         the mean target tokens per step over the window; 1 for `always_frequent` ids; 0 before
-        anything was counted. Equals `appearance` when T̄ = tokens."""
-        total = int(self._total.sum())
-        if total == 0 or tokens * self.steps_in_window == total:
-            return self.appearance()  # T̄ = tokens: the per-step appearance, the same float32 arithmetic
-        a = (self._total.to(torch.float64) * (tokens / total)).to(torch.float32)
-        if self._always.numel():
-            a[self._always] = 1.0
-        return a
+        anything was counted. Equals `appearance` (bit for bit) when T̄ = tokens."""
+        total = self._total.sum()
+        scaled = self._total.to(torch.float64) * (tokens / total.clamp_min(1).to(torch.float64))
+        per_step = (total == 0) | (total == tokens * self.steps_in_window)
+        return torch.where(per_step, self.appearance(), self._with_specials(scaled.to(torch.float32)))
 
     def tokens_per_step(self) -> float:
-        """T̄ = Σ_j c_j / min(t, K): the mean (global) target tokens per step over the window."""
+        """T̄ = Σ_j c_j / min(t, K): the mean (global) target tokens per step over the window (a read)."""
         return int(self._total.sum()) / self.steps_in_window
 
     def newest_step_counts(self) -> torch.Tensor:
-        """int64 (V,): the counts of the newest completed step (after `step`), else of the
-        current one."""
-        dense = torch.zeros(self.vocab_size, dtype=torch.int64)
-        entries = [self._ring[-1]] if self._ring and not self._current else self._current
-        for ids, counts in entries:
-            dense.index_add_(0, ids.to(torch.int64), counts.to(torch.int64))
-        return dense
+        """int64 (V,) on the device: the counts of the newest completed step (after `step`), else
+        of the current one."""
+        if self._current is not None or not self._ring:
+            current = self._current
+            return current.clone() if current is not None else torch.zeros_like(self._total)
+        newest = self._ring[-1]
+        if newest.device is not None:
+            return newest.device.to(torch.int64)
+        return self._dense(*newest.sparse(self.vocab_size))
+
+    def _dense(self, ids: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """A sparse host pair as dense int64 counts on the device."""
+        dense = np.zeros(self.vocab_size, dtype=np.int64)
+        dense[ids.astype(np.int64)] = counts
+        return to_device(dense, self.device)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the running total plus the sparse per-step counts of the window."""
+        """Bytes held: the running total, the current step's counts and the window's sparse
+        steps (resolving the copies still under way: a read)."""
         held = self._total.nbytes + self._always.nbytes
-        for ids, counts in list(self._ring) + self._current:
-            held += ids.nbytes + counts.nbytes
+        held += self._current.nbytes if self._current is not None else 0
+        for entry in self._ring:
+            entry.sparse(self.vocab_size)
+            held += entry.nbytes
         return held
 
     # --- writing ------------------------------------------------------------------------------
@@ -155,77 +196,62 @@ class SlidingTokenCounter:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         """Add training targets to the current step: one tensor, or several (the micro-batches
-        of the step, counted together).
+        of the step, counted together), on any device (they are counted on the counter's).
 
-        Positions equal to `ignore_index` are skipped; any other value must lie in [0, V).
-        With ``all_reduce=True`` (collective: every rank of `group` must call it for its
-        targets) the counts are summed across the ranks first, with one all_reduce of a
-        V-vector of int64 on the targets' device, so every rank holds the same counts and
-        computes the same gates."""
-        parts = [targets] if isinstance(targets, torch.Tensor) else list(targets)
-        for part in parts:
-            if part.dtype.is_floating_point or part.dtype.is_complex or part.dtype == torch.bool:
-                raise TypeError(f"targets: expected an integer tensor of token ids, got dtype {part.dtype}")
-        if not parts:
-            parts = [torch.zeros(0, dtype=torch.int64)]
-        device = parts[0].device
-        flat = torch.cat([p.detach().reshape(-1).to(device, torch.int64) for p in parts])
-        flat = flat[flat != self.ignore_index]
-        if flat.numel():
-            lo, hi = int(flat.min()), int(flat.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ValueError(
-                    f"targets: ids must be in [0, {self.vocab_size}) or equal ignore_index={self.ignore_index}; "
-                    f"got values in [{lo}, {hi}]"
-                )
+        Positions equal to `ignore_index` are skipped; any other value must lie in [0, V)
+        (`count_targets`: no host read; a `ValueError` on the CPU). With ``all_reduce=True`` (collective: every rank of
+        `group` must call it for its targets) the counts are summed across the ranks first, with
+        one all_reduce of a V-vector of int64 on the device, so every rank holds the same counts
+        and computes the same gates."""
+        counts = count_targets(targets, self.vocab_size, self.ignore_index, self.device)
         if all_reduce:
-            dense = torch.bincount(flat.to(torch.int64), minlength=self.vocab_size)
-            dist.all_reduce(dense, op=dist.ReduceOp.SUM, group=group)
-            dense = dense.cpu()
-            ids = dense.nonzero().squeeze(1)
-            counts = dense[ids]
-        else:
-            ids, counts = torch.unique(flat.cpu().to(torch.int64), return_counts=True)
-        if ids.numel() == 0:
-            return
-        self._total.index_add_(0, ids, counts)
-        self._current.append(_compact(ids, counts, self.vocab_size))
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+        self._total += counts
+        self._current = counts if self._current is None else self._current + counts
 
     def step(self) -> None:
-        """End optimizer step t: it joins the window, the step t−K+1 leaves it, t ← t+1."""
-        if self._current:
-            ids = torch.cat([i.to(torch.int64) for i, _ in self._current])
-            counts = torch.cat([c.to(torch.int64) for _, c in self._current])
-            entry = _compact(*_coalesce(ids, counts), self.vocab_size)
-        else:
-            entry = (torch.zeros(0, dtype=torch.int16), torch.zeros(0, dtype=torch.int16))
-        self._current = []
-        self._ring.append(entry)
+        """End optimizer step t: it joins the window (its counts copied to the host
+        asynchronously), the step t−K+1 leaves it, t ← t+1. The step before it, whose copy has
+        had a whole step to arrive, is resolved into its sparse pair."""
+        counts = self._current.to(torch.int32) if self._current is not None else None
+        self._current = None
+        self._ring.append(_Step(counts))
         while len(self._ring) > self.window - 1:
-            old_ids, old_counts = self._ring.popleft()
-            self._total.index_add_(0, old_ids.to(torch.int64), -old_counts.to(torch.int64))
+            self._evict(self._ring.popleft())
+        for entry in list(self._ring)[:-1]:
+            if entry.device is not None:
+                entry.sparse(self.vocab_size)
         self._t += 1
+
+    def _evict(self, entry: _Step) -> None:
+        if entry.device is not None:  # still on the device: no round trip
+            self._total -= entry.device.to(torch.int64)
+            return
+        ids, counts = entry.sparse(self.vocab_size)
+        if ids.size:
+            self._total.index_add_(0, to_device(ids.astype(np.int64), self.device),
+                                   -to_device(counts.astype(np.int64), self.device))
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors only (for safetensors): the step index, V, K, the window's sparse steps
-        (concatenated, with their sizes, oldest first) and the current step's counts."""
-        steps = list(self._ring)
-        if self._current:
-            ids = torch.cat([i.to(torch.int64) for i, _ in self._current])
-            counts = torch.cat([c.to(torch.int64) for _, c in self._current])
-            cur_ids, cur_counts = _coalesce(ids, counts)
-        else:
-            cur_ids = cur_counts = torch.zeros(0, dtype=torch.int64)
+        """Tensors only (for safetensors), on the CPU: the step index, V, K, the window's sparse
+        steps (concatenated, with their sizes, oldest first) and the current step's counts."""
+        steps = [entry.sparse(self.vocab_size) for entry in self._ring]
+        current = self._current.cpu().numpy() if self._current is not None else np.zeros(0, np.int64)
+        cur_ids = np.flatnonzero(current)
+
+        def cat(arrays: list[np.ndarray]) -> torch.Tensor:
+            return torch.from_numpy(np.concatenate([a.astype(np.int64) for a in arrays])) if arrays else torch.zeros(0, dtype=torch.int64)
+
         return {
             "step": torch.tensor([self._t], dtype=torch.int64),
             "vocab_size": torch.tensor([self.vocab_size], dtype=torch.int64),
             "window": torch.tensor([self.window], dtype=torch.int64),
             "sizes": torch.tensor([len(i) for i, _ in steps], dtype=torch.int64),
-            "ids": torch.cat([i.to(torch.int64) for i, _ in steps]) if steps else torch.zeros(0, dtype=torch.int64),
-            "counts": torch.cat([c.to(torch.int64) for _, c in steps]) if steps else torch.zeros(0, dtype=torch.int64),
-            "current_ids": cur_ids,
-            "current_counts": cur_counts,
+            "ids": cat([i for i, _ in steps]),
+            "counts": cat([c for _, c in steps]),
+            "current_ids": torch.from_numpy(cur_ids.astype(np.int64)),
+            "current_counts": torch.from_numpy(current[cur_ids].astype(np.int64)),
         }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
@@ -245,25 +271,27 @@ class SlidingTokenCounter:
         v, saved_window, t = int(state["vocab_size"][0]), int(state["window"][0]), int(state["step"][0])
         if v != self.vocab_size:
             raise ValueError(f"saved vocab_size={v}, this counter has vocab_size={self.vocab_size}")
-        ids, counts = state["ids"].to(torch.int64), state["counts"].to(torch.int64)
-        cur_ids, cur_counts = state["current_ids"].to(torch.int64), state["current_counts"].to(torch.int64)
+        ids, counts = state["ids"].cpu().to(torch.int64).numpy(), state["counts"].cpu().to(torch.int64).numpy()
+        cur_ids = state["current_ids"].cpu().to(torch.int64).numpy()
+        cur_counts = state["current_counts"].cpu().to(torch.int64).numpy()
         sizes = [int(x) for x in state["sizes"]]
         if (
             t < 1
             or any(x < 0 for x in sizes)
-            or sum(sizes) != ids.numel()
+            or sum(sizes) != ids.size
             or ids.shape != counts.shape
             or cur_ids.shape != cur_counts.shape
             or len(sizes) > min(t - 1, saved_window - 1)
         ):
             raise ValueError(
-                f"inconsistent state: step {t}, window {saved_window}, step sizes {sizes} for {ids.numel()} ids "
-                f"and {counts.numel()} counts"
+                f"inconsistent state: step {t}, window {saved_window}, step sizes {sizes} for {ids.size} ids "
+                f"and {counts.size} counts"
             )
         for name, x in (("ids", ids), ("current_ids", cur_ids)):
-            if x.numel() and (int(x.min()) < 0 or int(x.max()) >= v):
+            if x.size and (int(x.min()) < 0 or int(x.max()) >= v):
                 raise ValueError(f"{name} outside [0, {v})")
-        steps = list(zip(ids.split(sizes), counts.split(sizes)))
+        bounds = np.cumsum([0, *sizes])
+        steps = [(ids[a:b], counts[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         if saved_window != self.window:
             keep = self.window - 1
             if len(steps) < keep and len(steps) != t - 1:
@@ -272,13 +300,12 @@ class SlidingTokenCounter:
                     f"needs {keep}: the counts of the older steps are gone, so the window cannot be re-cut exactly"
                 )
             steps = steps[max(len(steps) - keep, 0) :] if keep else []
-        self._t = t
-        self._total = torch.zeros(self.vocab_size, dtype=torch.int64)
-        self._ring = deque()
+        total = np.zeros(v, dtype=np.int64)
         for step_ids, step_counts in steps:
-            self._total.index_add_(0, step_ids, step_counts)
-            self._ring.append(_compact(step_ids, step_counts, v))
-        self._current = []
-        if cur_ids.numel():
-            self._total.index_add_(0, cur_ids, cur_counts)
-            self._current.append(_compact(cur_ids, cur_counts, v))
+            np.add.at(total, step_ids, step_counts)
+        current = np.zeros(v, dtype=np.int64)
+        np.add.at(current, cur_ids, cur_counts)
+        self._t = t
+        self._ring = deque(_Step(sparse=_compact(i, c, v)) for i, c in steps)
+        self._current = to_device(current, self.device) if cur_ids.size else None
+        self._total = to_device(total + current, self.device)

@@ -24,7 +24,7 @@ G2_EPS = 1e-7
 
 def agg_gates(
     appearance: torch.Tensor,
-    alpha: float,
+    alpha: float | torch.Tensor,
     *,
     steps: int = 1,
     g1: bool = True,
@@ -55,7 +55,10 @@ def agg_gates(
         raise ValueError(
             f"appearance: expected a float tensor of shape (V,), got {appearance.dtype} {tuple(appearance.shape)}"
         )
-    if not (isinstance(alpha, (int, float)) and alpha > 0):
+    if isinstance(alpha, torch.Tensor):  # computed on the device (rare_fraction): > 0 by construction, not read
+        if alpha.numel() != 1 or not alpha.dtype.is_floating_point:
+            raise ValueError(f"alpha: expected a 0-dim float tensor, got {alpha.dtype} {tuple(alpha.shape)}")
+    elif not (isinstance(alpha, (int, float)) and alpha > 0):
         raise ValueError(f"alpha={alpha!r}: expected a number > 0")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: expected an integer >= 1 (min(t, K))")
@@ -80,43 +83,45 @@ def agg_gates(
 
 
 def rare_fraction_alpha(
-    counts: torch.Tensor, appearance: torch.Tensor, fraction: float, special_ids: Iterable[int] = ()
-) -> tuple[float, float]:
+    counts: torch.Tensor, appearance: torch.Tensor, fraction: float, special_ids: Iterable[int] | torch.Tensor = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """α for which the rare group {k : a_k < α} holds about `fraction` of the window's target
-    tokens (docs/methods.md §1.2, ``rare_fraction``), and the share it holds.
+    tokens (docs/methods.md §1.2, ``rare_fraction``), and the share it holds: two 0-dim tensors
+    on the counts' device, computed there (sort, cumsum, argmin: no host read).
 
     counts: c, the window's target counts (V,); appearance: a, the values `agg_gates` compares
     (a_k = s·c_k for every id but the specials, s > 0: per update or per ``alpha_tokens``);
-    special_ids: never rare, their tokens count in the total. The group is a count threshold:
+    special_ids: never rare (distinct ids), their tokens count in the total. The group is a count threshold:
     {k non-special : c_k < θ}, with θ ranging over the distinct counts of the non-special ids
     (and above the largest). Ids never seen are rare for every α > 0. Of these groups the one
     whose share Σ_{k rare} c_k / Σ_j c_j is nearest `fraction` is taken (the smaller on a tie),
     and α = a_k of the least frequent id left out of it (ties in a_k go together), so the strict
-    test a_k < α selects exactly that group in float32. Returns (α, share of that group); with
-    nothing counted, (the smallest positive float32, 0.0): only never-seen ids are rare.
+    test a_k < α selects exactly that group in float32. With nothing counted, (the smallest
+    positive float32, 0): only never-seen ids are rare.
     """
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"fraction={fraction!r}: expected a number in (0, 1)")
     if counts.shape != appearance.shape or counts.dim() != 1:
         shapes = f"counts {tuple(counts.shape)} and appearance {tuple(appearance.shape)}"
         raise ValueError(f"{shapes}: expected two (V,) tensors")
-    keep = np.ones(counts.numel(), dtype=bool)
-    keep[list(special_ids)] = False
-    c = counts.detach().cpu().to(torch.int64).numpy()
-    a = appearance.detach().cpu().to(torch.float32).numpy()[keep]
-    total, c = int(c.sum()), c[keep]
-    tiny = float(np.finfo(np.float32).tiny)
-    if total == 0 or c.size == 0:
-        return tiny, 0.0
-    ordered = np.sort(c, kind="stable")  # NumPy's integer sort: far faster than torch's on the CPU
-    share = np.concatenate([[0], np.cumsum(ordered)]) / total  # [i]: share of the i least frequent ids
-    allowed = np.ones(c.size + 1, dtype=bool)  # a group ends where the count changes
-    allowed[1:-1] = ordered[1:] != ordered[:-1]
-    allowed[: int(np.searchsorted(ordered, 0, side="right"))] = False  # α > 0: never-seen ids are always rare
-    i = int(np.flatnonzero(allowed)[np.abs(share[allowed] - fraction).argmin()])
-    if i < c.size:  # a_k of an id with the first count left out (a_k is the same for equal counts)
-        alpha = float(a[int(np.argmax(c == ordered[i]))])
-    else:  # every non-special id rare
-        alpha = float(np.nextafter(a.max(), np.float32(np.inf)))
-    alpha = max(alpha, tiny)
-    return alpha, float(c[a < np.float32(alpha)].sum()) / total
+    device, v = counts.device, counts.numel()
+    special = torch.zeros(v, dtype=torch.bool, device=device)
+    ids = special_ids if isinstance(special_ids, torch.Tensor) else torch.tensor(list(dict.fromkeys(special_ids)), dtype=torch.int64)
+    special[ids.to(device)] = True
+    c = counts.to(torch.int64)
+    a = appearance.to(torch.float32)
+    total, others = c.sum(), v - ids.numel()  # the specials sort last, after the N = `others` ids that can be rare
+    order = torch.sort(torch.where(special, torch.iinfo(torch.int64).max, c), stable=True).indices
+    ordered, a_ordered = torch.where(special, 0, c)[order], a[order]
+    share = torch.cat([ordered.new_zeros(1), ordered.cumsum(0)]).double() / total.clamp_min(1)  # [i]: the i least frequent
+    i = torch.arange(v + 1, device=device)
+    allowed = (i <= others) & (i >= (ordered[:others] == 0).sum())  # a group ends where the count changes,
+    allowed[1:others] &= ordered[1:others] != ordered[: others - 1]  # never-seen ids always rare (α > 0)
+    chosen = torch.where(allowed, (share - fraction).abs(), torch.inf).argmin()  # the first of the nearest
+    tiny = torch.finfo(torch.float32).tiny
+    largest = torch.nextafter(a_ordered[max(others - 1, 0)], torch.tensor(torch.inf, device=device))
+    left_out = a_ordered.index_select(0, chosen.clamp(max=max(others - 1, 0)).reshape(1))[0]  # (a tensor index: no read)
+    alpha = torch.where(chosen < others, left_out, largest)  # every id rare: above them all
+    alpha = torch.where((total == 0) | (others == 0), tiny, alpha.clamp_min(tiny))
+    held = torch.where(~special & (a < alpha), c, 0).sum().double() / total.clamp_min(1)
+    return alpha, held

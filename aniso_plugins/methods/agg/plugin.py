@@ -107,7 +107,8 @@ class AGGPlugin(Plugin):
         if self.counter is not None and self.counter.window == window:
             return  # training again with the same window: keep the counts
         self.counter = SlidingTokenCounter(
-            self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index
+            self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index,
+            device=self.head.module.weight.device,  # the model's device, where it trains by now
         )
         self._static = None
 
@@ -173,16 +174,19 @@ class AGGPlugin(Plugin):
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         # Counts are summed across ranks when counted, so these are identical on every rank
-        # and need no reduction.
+        # and need no reduction. One read of the device values, at the measurement step.
         if self.last_gates is None:
             return None
         gates = self.last_gates
         rare = gates.rare
-        n_rare = int(rare.sum())
-        nan = float("nan")
         step_counts = self.counter.newest_step_counts()
-        step_tokens = int(step_counts.sum())
-        rare_tokens = float(step_counts[rare].sum()) / step_tokens if step_tokens else nan
+        n, g1, g2, tokens, rare_count, alpha = torch.stack([
+            rare.sum().double(), torch.where(rare, gates.g1, 0).double().sum(), torch.where(rare, gates.g2, 0).double().sum(),
+            step_counts.sum().double(), torch.where(rare, step_counts, 0).sum().double(),
+            torch.as_tensor(self.last_alpha, dtype=torch.float64, device=rare.device),
+        ]).tolist()  # fmt: skip
+        n_rare, nan = int(n), float("nan")
+        rare_tokens = rare_count / tokens if tokens else nan
         if not self._rarity_told:
             self._rarity_told = True
             per = (f"per {self.config.alpha_tokens} target tokens (this run: {self.counter.tokens_per_step():.0f} per "
@@ -190,16 +194,15 @@ class AGGPlugin(Plugin):
             logger.info(
                 "AGG at step %d: %d of %d ids are rare (%.1f%% of the vocabulary, a_k < alpha=%g %s), %.1f%% of the "
                 "step's target tokens",
-                step.step, n_rare, rare.numel(), 100.0 * n_rare / rare.numel(), self.last_alpha, per, 100.0 * rare_tokens,
+                step.step, n_rare, rare.numel(), 100.0 * n_rare / rare.numel(), alpha, per, 100.0 * rare_tokens,
             )  # fmt: skip
-        alpha = {"agg/alpha": self.last_alpha} if self.config.rare_fraction is not None else {}
         return {
-            **alpha,
+            **({"agg/alpha": alpha} if self.config.rare_fraction is not None else {}),
             "agg/rare_size": float(n_rare),
             "agg/rare_vocab_fraction": n_rare / rare.numel(),
             "agg/rare_target_fraction": rare_tokens,
-            "agg/g1_mean_rare": float(gates.g1[rare].mean()) if n_rare else nan,
-            "agg/g2_mean_rare": float(gates.g2[rare].mean()) if n_rare else nan,
+            "agg/g1_mean_rare": g1 / n_rare if n_rare else nan,
+            "agg/g2_mean_rare": g2 / n_rare if n_rare else nan,
             "agg/counter_bytes": float(self.counter.nbytes),
         }
 
@@ -211,8 +214,9 @@ class AGGPlugin(Plugin):
         if self._static is not None:
             state["static_appearance"] = self._static[0]
             state["static_steps"] = torch.tensor([self._static[1]], dtype=torch.int64)
+            state["static_appearance"] = self._static[0].cpu()
             if self._static[2] is not None:
-                state["static_alpha"] = torch.tensor([self._static[2]], dtype=torch.float64)
+                state["static_alpha"] = torch.as_tensor(self._static[2], dtype=torch.float64).reshape(1).cpu()
         return {NAMESPACE: state}
 
     @hookimpl
@@ -222,7 +226,8 @@ class AGGPlugin(Plugin):
             return
         current = self._ready()
         counter = SlidingTokenCounter(
-            current.vocab_size, current.window, always_frequent=current.always_frequent, ignore_index=current.ignore_index
+            current.vocab_size, current.window, always_frequent=current.always_frequent, ignore_index=current.ignore_index,
+            device=current.device,
         )
         counter.load_state_dict(mine)  # raises before anything is replaced
         saved_window = int(mine["window"][0])
@@ -239,7 +244,7 @@ class AGGPlugin(Plugin):
         static = None
         if "static_appearance" in mine:
             alpha = float(mine["static_alpha"][0]) if "static_alpha" in mine else None
-            static = (mine["static_appearance"].to(torch.float32), int(mine["static_steps"][0]), alpha)
+            static = (mine["static_appearance"].to(counter.device, torch.float32), int(mine["static_steps"][0]), alpha)
         self.counter, self._static, self._counted_step = counter, static, None
 
     # --- internals ------------------------------------------------------------------------------
@@ -274,23 +279,24 @@ class AGGPlugin(Plugin):
         tokens = self.config.alpha_tokens
         return counter.appearance() if tokens is None else counter.appearance_per_tokens(tokens)
 
-    def _alpha(self, counter: SlidingTokenCounter, appearance: torch.Tensor) -> float:
+    def _alpha(self, counter: SlidingTokenCounter, appearance: torch.Tensor) -> float | torch.Tensor:
         """α: ``alpha`` (0.03 if None), or under ``rare_fraction`` the one chosen from the window's
-        counts (docs/methods.md §1.2); the frozen one under ``agg_static_after``."""
+        counts (docs/methods.md §1.2; a 0-dim tensor on the device); the frozen one under
+        ``agg_static_after``."""
         c = self.config
         if self._static is not None and self._static[2] is not None:
             return self._static[2]
         if c.rare_fraction is None:
             return DEFAULT_ALPHA if c.alpha is None else c.alpha
-        return rare_fraction_alpha(counter.counts(), appearance, c.rare_fraction, counter.always_frequent)[0]
+        return rare_fraction_alpha(counter.counts(), appearance, c.rare_fraction, counter.always_frequent_ids)[0]
 
     def _gates(self, counter: SlidingTokenCounter) -> RowGates:
         c = self.config
         appearance, steps = self._static[:2] if self._static else (self._appearance(counter), counter.steps_in_window)
         alpha = self.last_alpha = self._alpha(counter, appearance)
-        if alpha > 1.0 and c.rare_fraction is not None and counter.always_frequent:
-            appearance = appearance.clone()  # a_k = 1 marks the specials: never rare under rare_fraction
-            appearance[list(counter.always_frequent)] = alpha
+        if c.rare_fraction is not None and counter.always_frequent:  # a_k = 1 marks the specials: never rare,
+            marker = torch.clamp(torch.as_tensor(alpha, dtype=appearance.dtype, device=appearance.device), min=1.0)
+            appearance = appearance.index_put((counter.always_frequent_ids,), marker)  # also where α > 1
         return agg_gates(
             appearance,
             alpha,
@@ -311,8 +317,8 @@ class AGGPlugin(Plugin):
         if counter.step_index != counter.window and not step.measure:
             return
         counts = counter.counts()
-        total = int(counts.sum())
-        share = float(counts[self.last_gates.rare].sum()) / total if total else None
+        total, rare_total = torch.stack([counts.sum(), torch.where(self.last_gates.rare, counts, 0).sum()]).tolist()
+        share = rare_total / total if total else None
         wanted = self.config.rare_fraction
         if share is None or 0.0 < share <= 0.5 or (share > 0.5 and wanted is not None and wanted > 0.5):
             return
@@ -325,7 +331,7 @@ class AGGPlugin(Plugin):
         warnings.warn(message, AGGGatingWarning, stacklevel=2)
 
     def _gating_message(self, counter: SlidingTokenCounter, counts: torch.Tensor, share: float, step: StepInfo) -> str:
-        c, rare, alpha, total = self.config, self.last_gates.rare, self.last_alpha, int(counts.sum())
+        c, rare, alpha, total = self.config, self.last_gates.rare, float(self.last_alpha), int(counts.sum())
         seen = int((counts[rare] > 0).sum())
         what = "no target token" if share == 0 else "more than half of the target tokens"
         how = "set by alpha" if c.alpha is not None else "the default of alpha=None"
@@ -346,7 +352,8 @@ class AGGPlugin(Plugin):
         """The setting that would gate about SUGGESTED_FRACTION (or the configured rare_fraction)."""
         c = self.config
         wanted = SUGGESTED_FRACTION if c.rare_fraction is None else c.rare_fraction
-        alpha, share = rare_fraction_alpha(counts, self._appearance(counter), wanted, counter.always_frequent)
+        alpha, share = (float(x) for x in rare_fraction_alpha(counts, self._appearance(counter), wanted,
+                                                               counter.always_frequent_ids))
         if share == 0 or c.rare_fraction is not None:
             return (f"This window's counts are too coarse for any alpha to make about {100 * wanted:g}% of its target "
                     f"tokens rare (the nearest share is {share:.1%}): use a longer window (window=).")  # fmt: skip

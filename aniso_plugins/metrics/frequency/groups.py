@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from aniso_plugins.core.targets import count_targets
 from aniso_plugins.numerics.distributed import is_distributed
 
 GROUPS = ("rare", "medium", "frequent")
@@ -52,7 +53,7 @@ def frequency_groups(counts: torch.Tensor, fractions: tuple[float, float, float]
 class CumulativeTargetCounts:
     """Cumulative counts of training targets (ids in [0, V), `ignore_index` skipped).
 
-    `add` bincounts a micro-batch's targets into a pending local vector; `sync` (collective:
+    `add` counts a micro-batch's targets into a pending local vector on the counts' device; `sync` (collective:
     all ranks, once per optimizer step) sums the pending vectors across ranks and adds them to
     ``counts``, which is therefore identical on every rank."""
 
@@ -62,16 +63,16 @@ class CumulativeTargetCounts:
         self.counts = torch.zeros(vocab_size, dtype=torch.long)
         self._pending: torch.Tensor | None = None
 
+    def to(self, device: torch.device | str) -> None:
+        """Keep the counts on `device` (the model's, where the collectives run: NCCL takes device
+        tensors only); the adapter's device is known when training begins."""
+        self.counts = self.counts.to(device)
+        self._pending = None if self._pending is None else self._pending.to(device)
+
     def add(self, targets: torch.Tensor) -> None:
-        y = targets.reshape(-1)
-        y = y[y != self.ignore_index]
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.vocab_size):
-            raise ValueError(
-                f"targets must lie in [0, {self.vocab_size}) or equal ignore_index={self.ignore_index}, "
-                f"got values in [{int(y.min())}, {int(y.max())}]"
-            )
-        local = torch.bincount(y, minlength=self.vocab_size)
-        self._pending = local if self._pending is None else self._pending + local.to(self._pending.device)
+        """Count a micro-batch's targets (`count_targets`: on the counts' device, no host read)."""
+        local = count_targets(targets, self.vocab_size, self.ignore_index, self.counts.device)
+        self._pending = local if self._pending is None else self._pending + local
 
     def sync(self, group: dist.ProcessGroup | None = None) -> None:
         """Add the pending counts, summed over `group` (default: the world), to the totals."""
@@ -80,7 +81,7 @@ class CumulativeTargetCounts:
             pending = torch.zeros(self.vocab_size, dtype=torch.long, device=self.counts.device)
         if is_distributed():
             dist.all_reduce(pending, group=group)
-        self.counts = self.counts.to(pending.device) + pending
+        self.counts = self.counts + pending
         self._pending = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle
-from aniso_plugins.core.steps import StepInfo
+from aniso_plugins.core.steps import RunInfo, StepInfo
 from aniso_plugins.metrics.frequency.groups import CumulativeTargetCounts
 
 
@@ -24,6 +24,7 @@ class TargetCountsPlugin:
 
     def __init__(self) -> None:
         self.counter: CumulativeTargetCounts | None = None
+        self._model: ModelHandle | None = None
 
     def ready(self) -> CumulativeTargetCounts:
         """The counter (after `aniso_setup`)."""
@@ -34,6 +35,11 @@ class TargetCountsPlugin:
     @hookimpl
     def aniso_setup(self, model: ModelHandle, config: AnisoConfig) -> None:
         self.counter = CumulativeTargetCounts(model.vocab_size, config.ignore_index)
+        self._model = model
+
+    @hookimpl
+    def aniso_begin_training(self, run: RunInfo) -> None:
+        self.ready().to(self._model.head().weight.device)  # where the model trains by now: the collectives' device
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:

@@ -1,0 +1,190 @@
+"""The rules a GPU enforces, checked on the CPU (tests/device_discipline.py, docs/performance.md "What
+the GPU pays"): no host read in a steady-state training step, state on the model's device from the
+start of training, collectives that take device tensors only.
+
+References: the counter's values are the float64 / dense-ring references of tests/test_counter.py
+and tests/test_agg_gating.py; here the same code paths are run for what they read back (`HostSyncs`
+counts the ops that read a value to the host on CUDA) and where their tensors live (`fake_cuda`: a
+fake ``cuda`` device that raises on a host read, a data-dependent shape or a host tensor meeting a
+device tensor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from aniso_plugins import AnisoConfig, AnisoPlugins, RunInfo, StepInfo, TrainingSession
+from aniso_plugins.core.loss_scale import DeepSpeedLossScale
+from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.targets import count_targets
+from aniso_plugins.methods.agg.counter import SlidingTokenCounter
+from aniso_plugins.methods.agg.gates import agg_gates, rare_fraction_alpha
+from device_discipline import HostSyncs, fake_cuda
+
+V = 40
+
+
+def _stream(steps: int, micro: int = 2, seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.arange(1, V + 1, dtype=torch.float64).pow(-1.1)
+    out = []
+    for _ in range(steps):
+        parts = [torch.multinomial(p, 24, replacement=True, generator=g).view(2, 12) for _ in range(micro)]
+        for part in parts:
+            part[:, -1] = -100
+        out.append(parts)
+    return out
+
+
+def _agg_step(counter: SlidingTokenCounter, targets: list[torch.Tensor], tokens: int | None) -> torch.Tensor:
+    """What AGG does per optimizer step with its counter: count, appearance, α by share, gates."""
+    counter.update(targets)
+    a = counter.appearance() if tokens is None else counter.appearance_per_tokens(tokens)
+    alpha, _ = rare_fraction_alpha(counter.counts(), a, 0.1, counter.always_frequent_ids)
+    gates = agg_gates(a, alpha, steps=counter.steps_in_window)
+    counter.step()
+    return gates.g1
+
+
+@pytest.mark.parametrize("tokens", [None, 64], ids=["per_update", "per_tokens"])
+def test_the_agg_counter_and_gates_read_nothing_back_in_a_steady_step(tokens):
+    """Counting (index_add_, the range by _assert_async), the appearance, rare_fraction's α (sort,
+    cumsum, argmin) and the gates: 0 host reads per step, across window evictions (K = 3); the
+    copies of the completed steps to the host resolve a step later, on the host (NumPy)."""
+    counter = SlidingTokenCounter(V, 3, always_frequent=(0,))
+    stream = _stream(10)
+    for targets in stream[:2]:
+        _agg_step(counter, targets, tokens)
+    with HostSyncs(where=True) as syncs:
+        for targets in stream[2:]:
+            _agg_step(counter, targets, tokens)
+    assert syncs.total == 0, dict(syncs.sites)
+    # and the counts are the window's (the last K - 1 = 2 completed steps)
+    recent = torch.cat([t.reshape(-1) for step in stream[-2:] for t in step])
+    assert torch.equal(counter.counts(), torch.bincount(recent[recent != -100], minlength=V))
+
+
+def test_rare_fraction_alpha_on_the_device_equals_the_written_out_rule():
+    """The sort / cumsum / argmin version against the rule written out over the distinct counts
+    (tests/test_agg_gating.py: the nearest share, the smaller on a tie, never-seen ids always rare,
+    specials never), with specials anywhere in the vocabulary."""
+    g = torch.Generator().manual_seed(5)
+    counts = torch.bincount(torch.multinomial(torch.arange(1, 201.0).pow(-1.3), 3000, replacement=True, generator=g),
+                            minlength=200)
+    specials = (3, 0, 150)
+    c = counts.numpy()
+    other = ~np.isin(np.arange(200), specials)
+    for fraction in (0.01, 0.1, 0.3, 0.7, 0.99):
+        appearance = counts.float() / 5
+        appearance[list(specials)] = 1.0
+        alpha, share = rare_fraction_alpha(counts, appearance, fraction, specials)
+        shares = [c[other & (c < v)].sum() / c.sum() for v in np.unique(c[other]) if v > 0] + [c[other].sum() / c.sum()]
+        expected = min(sorted(shares), key=lambda s: abs(s - fraction))
+        rare = (appearance < alpha).numpy() & other
+        assert float(share) == pytest.approx(expected, abs=1e-12) and rare[c == 0].all()
+        assert c[rare].sum() / c.sum() == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_agg_counter_and_gates_run_on_a_fake_cuda_device():
+    """Every tensor of the counter, the appearance, α and the gates stays on the device; nothing
+    reads back (the fake device raises on a read, a data-dependent shape, a host tensor)."""
+    with fake_cuda():
+        counter = SlidingTokenCounter(V, 3, always_frequent=(0, 1), device="cuda")
+        for _ in range(5):
+            targets = [torch.randint(0, V, (2, 12), device="cuda") for _ in range(2)]
+            g1 = _agg_step(counter, targets, 64)
+            assert g1.device.type == "cuda" and counter.counts().device.type == "cuda"
+
+
+def test_count_targets_reads_nothing_back_and_names_a_bad_id_on_the_cpu():
+    y = torch.tensor([[1, 2, 2, -100], [5, 5, 5, 0]])
+    with HostSyncs() as syncs:
+        counts = count_targets(y, 7)
+    assert syncs.total == 0 and counts.tolist() == [1, 1, 2, 0, 0, 3, 0]
+    with pytest.raises(ValueError, match=r"\[0, 7\).*got values in \[-3, 9\]"):
+        count_targets(torch.tensor([1, -3, 9, -100]), 7)
+    with fake_cuda():
+        assert count_targets(torch.zeros(3, 4, dtype=torch.long, device="cuda"), 7).device.type == "cuda"
+
+
+class TinyLM(nn.Module):
+    def __init__(self, device: str = "cpu"):
+        super().__init__()
+        self.embed = nn.Embedding(V, 8, device=device)
+        self.lm_head = nn.Linear(8, V, bias=False, device=device)
+
+    def forward(self, ids):
+        return self.lm_head(torch.tanh(self.embed(ids)))
+
+
+def test_collectives_take_tensors_on_the_model_device(monkeypatch):
+    """AGG's counts and the frequency metric's, on a model on a (fake) GPU under data parallelism:
+    every tensor handed to all_reduce is on the device, also on a rank whose first step has no
+    targets yet (the frequency counts were made on the host and moved only with the first batch:
+    an NCCL all-reduce of a host tensor fails or hangs)."""
+    import aniso_plugins.metrics.frequency.groups as groups
+    import aniso_plugins.methods.agg.plugin as agg_plugin
+
+    seen: list[str] = []
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: seen.append(tensor.device.type))
+    for module in (groups, agg_plugin):
+        monkeypatch.setattr(module, "is_distributed", lambda: True)
+    # (window 8: the gating check reads two numbers once a run, at the step that fills the window)
+    config = AnisoConfig(method="agg", alpha=0.5, window=8, metrics=("frequency",), load_entry_points=False)
+    with fake_cuda():
+        plugins = AnisoPlugins(config)
+        plugins.setup(ModelHandle(TinyLM("cuda"), head="lm_head", input_embedding="embed"))
+        plugins.begin_training(RunInfo())
+        plugins.step_end(StepInfo(step=1))  # a rank with no batch in its first step
+        for t in range(2, 5):
+            targets = torch.randint(0, V, (2, 12), device="cuda")
+            plugins.step_targets([targets], StepInfo(step=t))
+            plugins.targets(targets, StepInfo(step=t))
+            plugins.get("agg").head.disarm()  # (its forward is the fused loss's, tested on its own)
+            plugins.step_end(StepInfo(step=t))
+    assert seen and set(seen) == {"cuda"}, seen
+
+
+def test_loss_terms_and_the_fp16_loss_scale_are_read_only_at_measurement():
+    """CosReg through the session under an fp16 grad scaler: the term's value is kept as a device
+    tensor and the scale read as one (no .item() per micro-batch); both are read when measured."""
+    model = TinyLM()
+    session = TrainingSession(AnisoConfig(method="cosreg", metrics=(), load_entry_points=False))
+    session.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    session.begin_training(grad_scaler=scaler)
+    ids = torch.randint(0, V, (2, 6))
+    grads = []
+    for step in (1, 2, 3):
+        with HostSyncs(where=True) as syncs:
+            session.begin_micro_batch(ids, step=step)
+            loss = F.cross_entropy(model(ids).reshape(-1, V), ids.reshape(-1))
+            scaler.scale(loss).backward()
+            session.end_step(step)
+        if step > 1:  # the scaler's scale tensor exists from its first scale()
+            assert syncs.total == 0, dict(syncs.sites)
+        grads.append(model.embed.weight.grad.clone())
+        model.zero_grad()
+    metrics = session.measure(3)
+    w = model.lm_head.weight.detach().double()  # CosReg acts on the LM head
+    u = w / w.norm(dim=1, keepdim=True)
+    expected = ((u.sum(0).norm() ** 2 - V) / V**2).item()  # CosReg, docs/methods.md §3
+    assert metrics["aniso/loss/cosreg"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_deepspeeds_loss_scale_is_probed_on_the_engines_device():
+    class Optimizer:
+        def scale_if_loss(self, loss):
+            return loss * 128.0
+
+    engine = type("Engine", (), {"optimizer": Optimizer(), "device": torch.device("cpu")})()
+    scale = DeepSpeedLossScale(engine)
+    with fake_cuda():
+        tensor = scale.scale_tensor("cuda")
+        assert tensor.device.type == "cuda" and tensor.dim() == 0
+    assert scale.get_scale() == 128.0
