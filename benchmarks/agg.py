@@ -161,8 +161,8 @@ def _target_pool(args, law: str) -> list[torch.Tensor]:
 
 def counter_benchmark(args) -> list[str]:
     """One table row per target law: `SlidingTokenCounter` over ``args.counter_steps`` steps of
-    ``args.counter_tokens`` targets (on ``args.device``: the update's copy to the CPU is part of
-    its cost) from `COUNTER_POOL` batches cycled; update + step and appearance + gates timed on
+    ``args.counter_tokens`` targets (on ``args.device``, where the counter counts them; on CUDA
+    each timed part ends with a synchronize) from `COUNTER_POOL` batches cycled; update + step and appearance + gates timed on
     the steps after the window is full (every step while it never fills), median in ms; memory
     = `SlidingTokenCounter.nbytes` at the end."""
     from aniso_plugins import SlidingTokenCounter, agg_gates
@@ -171,18 +171,23 @@ def counter_benchmark(args) -> list[str]:
     lines = []
     for law in ("zipf1.2", "uniform"):
         pool = _target_pool(args, law)
-        counter = SlidingTokenCounter(args.vocab, args.window)
+        counter = SlidingTokenCounter(args.vocab, args.window, device=pool[0].device)  # where the targets are
+        sync = torch.cuda.synchronize if pool[0].device.type == "cuda" else (lambda: None)
         upd, gate_t = [], []
         timed_from = args.window if args.counter_steps > args.window else 0
         for i in range(args.counter_steps):
             y = pool[i % COUNTER_POOL]
+            sync()
             t0 = time.perf_counter()
             counter.update(y)
+            sync()
             t1 = time.perf_counter()
             if i >= timed_from:
                 agg_gates(counter.appearance(), 0.03, steps=counter.steps_in_window)
+            sync()
             t2 = time.perf_counter()
             counter.step()
+            sync()
             t3 = time.perf_counter()
             if i >= timed_from:
                 upd.append((t1 - t0) + (t3 - t2))

@@ -40,9 +40,14 @@ def _is_bool_index(indices) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices if i is not None)
 
 
+_OURS = ("/aniso_plugins/", "/integrations/")
+
+
 class HostSyncs(TorchDispatchMode):
     """Counts the ops of the code run inside it that read a value back to the host on CUDA, by
-    kind (``counts``; ``total``; ``where``: the Python frame of each, for the message of a test)."""
+    kind (``counts``; ``total``), and with ``where=True`` by the line that asked (``sites``: the
+    innermost frame outside torch; "(not ours)" where it is not this package's, e.g. the
+    trainer's own)."""
 
     def __init__(self, where: bool = False) -> None:
         super().__init__()
@@ -59,9 +64,11 @@ class HostSyncs(TorchDispatchMode):
         if self._where:
             import traceback
 
-            frames = [f for f in traceback.extract_stack()[:-3] if "aniso_plugins" in f.filename or "integrations" in f.filename]
-            site = f"{frames[-1].filename.split('/')[-1]}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
-            self.sites[f"{kind} @ {site}"] += 1
+            frames = [f for f in traceback.extract_stack()[:-3] if "/torch/" not in f.filename]
+            caller = frames[-1] if frames else None  # the innermost frame outside torch: who asked
+            ours = caller is not None and any(part in caller.filename for part in _OURS)
+            site = f"{caller.filename.split('/')[-1]}:{caller.lineno} {caller.name}" if caller else "?"
+            self.sites[f"{kind} @ {site}" + ("" if ours else " (not ours)")] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -90,4 +97,91 @@ def fake_cuda() -> Iterator[torch._subclasses.fake_tensor.FakeTensorMode]:
         yield mode
 
 
-__all__ = ["HostSyncs", "fake_cuda"]
+
+
+TRAINING_METHODS: dict[str, dict] = {
+    "agg": dict(method="agg", alpha=0.5, window=50),
+    "agg_unfused": dict(method="agg", alpha=0.5, window=50, fused_loss=False),
+    "agg_rare_fraction": dict(method="agg", rare_fraction=0.05, window=50),
+    "agg_alpha_tokens": dict(method="agg", alpha=0.5, alpha_tokens=64, window=50),
+    "agg_no_g1": dict(method="agg", alpha=0.5, window=50, agg_g1=False),
+    "agg_freeze": dict(method="agg", alpha=0.5, window=50, agg_freeze_rare=True),
+    "agg_static": dict(method="agg", alpha=0.5, window=50, agg_static_after=1),
+    "mle_fused": dict(fused_loss=True),
+    "cosreg": dict(method="cosreg"),
+    "hinge": dict(method="hinge"),
+    "hinge_sampled": dict(method="hinge", hinge_sample=16),
+    "spectrum": dict(method="spectrum"),
+    "untie": dict(head="untie"),
+    "lowrank": dict(head="lowrank", lowrank_rank=4),
+    "agg_lowrank": dict(method="agg", alpha=0.5, window=50, head="lowrank", lowrank_rank=4),
+    "simctg": dict(method="simctg"),
+    "uniformity": dict(method="uniformity"),
+    "agg_simctg": dict(method=("agg", "simctg"), alpha=0.5, window=50),
+    "frequency_metric": dict(metrics=("frequency",), metrics_every=1000),
+}
+"""Every training method and head (with its ablations and a metric that counts in every step), as
+`AnisoConfig` keywords: window 50, no measurement in the first few steps."""
+
+
+class StepWindow:
+    """Counts `HostSyncs` over optimizer steps `steps` (1-based) of a trainer, between its step's
+    begin and end events (forward, backward, optimizer step): ``open(step)`` / ``close()`` from the
+    trainer's callbacks; ``counts`` by kind, ``sites`` by line of this package, ``per_step``."""
+
+    def __init__(self, steps: range) -> None:
+        self.steps = steps
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.sites: collections.Counter[str] = collections.Counter()
+        self._mode: HostSyncs | None = None
+
+    def open(self, step: int) -> None:
+        if step in self.steps and self._mode is None:
+            self._mode = HostSyncs(where=True)
+            self._mode.__enter__()
+
+    def close(self) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.counts.update(self._mode.counts)
+            self.sites.update(self._mode.sites)
+            self._mode = None
+
+    @property
+    def per_step(self) -> float:
+        return sum(self.counts.values()) / len(self.steps)
+
+    def ours(self) -> dict[str, float]:
+        """The sites in this package, per step."""
+        return {site: n / len(self.steps) for site, n in self.sites.items() if not site.endswith("(not ours)")}
+
+
+def hf_window(window: StepWindow):
+    """A `transformers.TrainerCallback` that counts `window`'s steps."""
+    from transformers import TrainerCallback
+
+    class Counting(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            window.open(state.global_step + 1)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            window.close()
+
+    return Counting()
+
+
+def lightning_window(window: StepWindow):
+    """A Lightning callback that counts `window`'s optimizer steps (accumulation 1: one batch a step)."""
+    import lightning.pytorch as pl
+
+    class Counting(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            window.open(trainer.global_step + 1)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            window.close()
+
+    return Counting()
+
+
+__all__ = ["TRAINING_METHODS", "HostSyncs", "StepWindow", "fake_cuda", "hf_window", "lightning_window"]

@@ -24,7 +24,7 @@ from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.targets import count_targets
 from aniso_plugins.methods.agg.counter import SlidingTokenCounter
 from aniso_plugins.methods.agg.gates import agg_gates, rare_fraction_alpha
-from device_discipline import HostSyncs, fake_cuda
+from device_discipline import TRAINING_METHODS, HostSyncs, StepWindow, fake_cuda, hf_window, lightning_window
 
 V = 40
 
@@ -188,3 +188,86 @@ def test_deepspeeds_loss_scale_is_probed_on_the_engines_device():
         tensor = scale.scale_tensor("cuda")
         assert tensor.device.type == "cuda" and tensor.dim() == 0
     assert scale.get_scale() == 128.0
+
+
+# --- every training method through each adapter: no host read beyond the trainer's own --------------
+WINDOW = range(3, 5)  # steady state: after the first steps (one-time set-up reads), no measurement step
+
+
+def _hf_window(tmp_path, config: dict | None, trainer: str = "trainer") -> StepWindow:
+    from transformers import Trainer, TrainingArguments
+
+    from aniso_plugins.integrations.hf import AnisoCallback
+    from hf_utils import TokenDataset, tiny_gpt2
+
+    window = StepWindow(WINDOW)
+    callbacks = [hf_window(window)]
+    if config is not None:
+        callbacks.append(AnisoCallback(AnisoConfig(load_entry_points=False, **{"metrics": (), **config})))
+    common = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no",
+                  per_device_train_batch_size=4, max_steps=WINDOW.stop, logging_steps=10_000, learning_rate=1e-3, seed=0)
+    if trainer == "sft":
+        import trl
+        from datasets import Dataset
+
+        from hf_utils import tiny_llama
+        from word_data import VOCAB, texts, tokenizer
+
+        args = trl.SFTConfig(**common, max_length=32, bf16=False)
+        trl.SFTTrainer(model=tiny_llama(vocab=len(VOCAB), tied=False), args=args, processing_class=tokenizer(),
+                       train_dataset=Dataset.from_dict({"text": texts(32)}), callbacks=callbacks).train()
+    else:
+        Trainer(model=tiny_gpt2(), args=TrainingArguments(**common), train_dataset=TokenDataset(n=64),
+                callbacks=callbacks).train()
+    return window
+
+
+@pytest.fixture(scope="module")
+def hf_plain(tmp_path_factory) -> StepWindow:
+    return _hf_window(tmp_path_factory.mktemp("plain"), None)
+
+
+@pytest.mark.parametrize("name", sorted(TRAINING_METHODS))
+def test_no_training_method_adds_a_host_read_to_the_hf_trainers_step(tmp_path, hf_plain, name):
+    """Before (benchmarks/host_syncs.py on the code before): AGG fused +14 per step, unfused +13,
+    rare_fraction +14, alpha_tokens +15, the fused MLE loss +5, CosReg and spectrum +2, the hinge
+    +5 (sampled +10), uniformity +5, the frequency metric +4."""
+    window = _hf_window(tmp_path, TRAINING_METHODS[name])
+    assert window.ours() == {} and window.per_step == hf_plain.per_step, (window.per_step, window.ours())
+
+
+@pytest.mark.parametrize("name", ["agg", "cosreg"])
+def test_no_host_read_through_trls_sft_trainer(tmp_path, name):
+    plain = _hf_window(tmp_path / "plain", None, trainer="sft")
+    window = _hf_window(tmp_path / name, TRAINING_METHODS[name], trainer="sft")
+    assert window.ours() == {} and window.per_step == plain.per_step, (window.per_step, window.ours())
+
+
+LIGHTNING_METHODS = ("agg", "agg_rare_fraction", "cosreg", "hinge", "spectrum", "lowrank", "simctg", "uniformity",
+                     "frequency_metric")
+
+
+def _lightning_window(tmp_path, config: dict | None) -> StepWindow:
+    import lightning.pytorch as pl
+
+    from aniso_plugins.integrations.lightning import AnisoCallback as LightningCallback
+    from lightning_utils import LitLM, loader
+
+    window = StepWindow(WINDOW)
+    callbacks = [lightning_window(window)]
+    if config is not None:
+        callbacks.append(LightningCallback(AnisoConfig(load_entry_points=False, **{"metrics": (), **config}),
+                                           head="model.lm_head", input_embedding="model.embed", blocks="model.blocks",
+                                           targets="causal"))  # fmt: skip
+    trainer = pl.Trainer(callbacks=callbacks, accelerator="cpu", devices=1, max_steps=WINDOW.stop, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path), num_sanity_val_steps=0, log_every_n_steps=10_000)  # fmt: skip
+    trainer.fit(LitLM(), loader())
+    return window
+
+
+def test_no_training_method_adds_a_host_read_to_lightnings_step(tmp_path):
+    plain = _lightning_window(tmp_path / "plain", None)
+    for name in LIGHTNING_METHODS:
+        window = _lightning_window(tmp_path / name, TRAINING_METHODS[name])
+        assert window.ours() == {} and window.per_step == plain.per_step, (name, window.per_step, window.ours())

@@ -85,8 +85,8 @@ def test_sequence_ids_from_each_packing_key():
     assert sequence_ids((1, 9), position_ids=positions + 2).tolist() == expected  # RoBERTa-style numbering from 2
     assert sequence_ids((1, 9), cu_seq_lens=torch.tensor([0, 3, 5, 9])).tolist() == expected
     assert sequence_ids((1, 9), seq_idx=torch.tensor(expected)).tolist() == expected
-    # one example per row (ordinary or left-padded position ids): nothing to split
-    assert sequence_ids((2, 4), position_ids=torch.arange(4).expand(2, 4)) is None
+    # one example per row (ordinary position ids): one id per row, all equal (not read back to tell)
+    assert sequence_ids((2, 4), position_ids=torch.arange(4).expand(2, 4)).tolist() == [[0] * 4] * 2
     assert sequence_ids((1, 5), position_ids=torch.tensor([[1, 1, 0, 1, 2]])).tolist() == [[0, 1, 2, 2, 2]]
     assert sequence_ids((2, 4)) is None
     read = LabelAlignment("causal").read({"labels": torch.ones(1, 9, dtype=torch.long), "position_ids": positions})

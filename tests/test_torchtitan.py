@@ -243,6 +243,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             "--training.global_batch_size", "4", "--training.steps", "2",
         ]),
         dict(name="unfused", config="cpu_aniso", args=AGG + NO_METRICS + ["--aniso.fused-loss", "False", "--training.steps", "1"]),
+        # compiled (torchtitan's blocks and its loss; aot_eager: dynamo and AOTAutograd without inductor's codegen)
+        dict(name="agg_compile", config="cpu_aniso", args=AGG + NO_METRICS + [
+            "--compile.enable", "--compile.backend", "aot_eager", "--training.steps", "2"]),
         # AGG's global batch of 4 as 2 accumulation steps of 2: "agg"'s gradients
         dict(name="agg_ga", config="cpu_aniso", local=2, args=AGG + NO_METRICS + [
             "--training.global_batch_size", "4", "--training.steps", "2"]),
@@ -326,6 +329,27 @@ def test_agg_counter_sums_all_ranks_and_two_ranks_train_like_one(runs):
         assert torch.equal(state2[key], value), key
     # after step 4 the K=3 window holds steps 3 and 4 (step 5 will be its third): 2 · 128 targets
     assert int(state1["counts"].sum()) + int(state1["current_counts"].sum()) == 2 * LOCAL * SEQ
+
+
+@pytest.mark.slow
+def test_agg_adds_no_host_read_to_torchtitans_step(runs):
+    """Step 3 (no measurement, no validation, no log line; not the step that fills AGG's window,
+    which reads its gating check once a run): AGG's fused loss, counter and gates add no host
+    read to stock torchtitan's step 3 (tests/device_discipline.py's HostSyncs)."""
+    stock, agg = runs["stock"], runs["from_stock"]  # AGG from stock's step-2 checkpoint: its window starts at step 3
+    ours = {site: n for site, n in agg["host_sync_sites"].items() if not site.endswith("(not ours)")}
+    assert sum(agg["host_syncs"].values()) == sum(stock["host_syncs"].values()) and not ours, (agg["host_syncs"], ours)
+
+
+@pytest.mark.slow
+def test_agg_trains_the_same_under_torchtitans_compile(runs):
+    """``--compile.enable`` (what torchtitan's users turn on): the gradients of steps 1 and 2 are
+    eager "agg"'s."""
+    one, compiled = runs["agg"], runs["agg_compile"]
+    assert "Compiling" in compiled["log"] or "compile" in compiled["log"].lower()
+    for key in ("grads", "grads_step2"):
+        for param, grad in one[key].items():
+            torch.testing.assert_close(compiled[key][param], grad, rtol=1e-4, atol=1e-7, msg=f"{key} {param}")
 
 
 @pytest.mark.slow

@@ -21,8 +21,9 @@ The test recipes (`cpu_stock`, `cpu_aniso`) shrink llama3's debug model (2 layer
 `cpu_aniso_6_layers` keeps its 6 layers (benchmarks/torchtitan_step.py).
 With ``ANISO_TT_DUMP=<file>`` the launcher also records, for the tests, the step-1 gradients,
 parameters, LM-head inputs and labels (before the optimizer step), the step-2 gradients and, after training, the
-final parameters and the aniso plugin state (``torch.save`` of plain tensors, rank 0; under
-pipeline parallelism the first rank of every other stage writes its stage's to ``<file>.rank<r>``).
+final parameters and the aniso plugin state, and the host reads of step 3 (``torch.save`` of plain
+tensors, rank 0; under pipeline parallelism the first rank of every other stage writes its
+stage's to ``<file>.rank<r>``).
 With ``ANISO_TT_PEAK=<file>`` each rank writes its peak resident set size (KiB) to ``<file>.rank<r>``.
 """
 
@@ -255,6 +256,7 @@ def _install_recorder(path: str) -> None:
             if getattr(part, "lm_head", None) is not None:
                 part.lm_head.register_forward_pre_hook(head_input)
         self.optimizers.register_step_pre_hook(before_step)
+        _count_host_syncs(self, record)
         train(self)
         record["final_params"] = {n: _full(p) for n, p in named()}
         runtime = getattr(self.loss_fn, "runtime", None)
@@ -269,6 +271,25 @@ def _install_recorder(path: str) -> None:
 
     Trainer.train = recording_train
     Trainer.forward_backward_step = recording_forward_backward_step
+
+
+def _count_host_syncs(trainer, record: dict) -> None:
+    """The host reads of step 3 (forward, backward, optimizer step, the aniso wrappers around them:
+    tests/device_discipline.py's HostSyncs), by kind and by line of aniso_plugins, into `record`
+    (``host_syncs``, ``host_sync_sites``)."""
+    from device_discipline import HostSyncs
+
+    train_step = trainer.train_step  # the aniso runtime's wrapper on the instance, where it has one
+
+    def counting_train_step(data_iterator):
+        if trainer.step != 3:
+            return train_step(data_iterator)
+        with HostSyncs(where=True) as syncs:
+            out = train_step(data_iterator)
+        record["host_syncs"], record["host_sync_sites"] = dict(syncs.counts), dict(syncs.sites)
+        return out
+
+    trainer.train_step = counting_train_step
 
 
 # --- entry point -----------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ def sequence_ids(
     cu_seq_lens: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Per position of a (..., T) batch, the example it belongs to within its row (int64, equal
-    ids = one example), or None when every row is one example.
+    ids = one example), or None when the batch carries no example boundaries (then every row is
+    one example; a row of one example may also get ids, all equal: nothing is read back to the
+    host to tell the two apart).
 
     From the first of: `seq_idx` (the example index per position, as given), `cu_seq_lens`
     (cumulative example lengths over a batch of one row, FlashAttention's ``cu_seq_lens_q``),
@@ -66,17 +68,14 @@ def sequence_ids(
     if seq_idx is not None and tuple(seq_idx.shape) == shape:
         ids = seq_idx.to(torch.int64)
     elif cu_seq_lens is not None and cu_seq_lens.dim() == 1 and len(shape) >= 1 and math.prod(shape[:-1]) == 1:
-        bounds = cu_seq_lens.to(torch.int64)
-        if int(bounds[-1]) == shape[-1]:
-            ids = torch.bucketize(torch.arange(shape[-1], device=bounds.device), bounds[1:], right=True).view(shape)
+        bounds = cu_seq_lens.to(torch.int64)  # (bounds[-1] = T in a well-formed batch; not read back)
+        ids = torch.bucketize(torch.arange(shape[-1], device=bounds.device), bounds[1:-1], right=True).view(shape)
     elif position_ids is not None and tuple(position_ids.shape[-1:]) == shape[-1:]:
         positions = position_ids.to(torch.int64).expand(shape) if position_ids.dim() < len(shape) else position_ids
         if tuple(positions.shape) == shape:
             starts = torch.ones(shape, dtype=torch.bool, device=positions.device)
             starts[..., 1:] = positions[..., 1:] != positions[..., :-1] + 1
             ids = starts.to(torch.int64).cumsum(-1) - 1
-    if ids is None or not bool((ids != ids[..., :1]).any()):
-        return None
     return ids
 
 

@@ -61,15 +61,20 @@ class HostCopy:
         return self._array.nbytes if self._array is not None else self._host.nbytes
 
 
-def to_device(array: np.ndarray, device: torch.device | str) -> torch.Tensor:
-    """A host array as a tensor on `device`: from pinned memory without a blocking copy on CUDA
-    (the caching host allocator keeps the pinned block until the copy is done)."""
-    if _fake_mode_active():  # FakeTensorMode (shapes only): a fake tensor of the array's shape
-        return torch.zeros(array.shape, dtype=torch.from_numpy(np.zeros(0, array.dtype)).dtype, device=device)
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+def to_device(values: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host values (an array, or a CPU tensor) as a tensor on `device`: from pinned memory without
+    a blocking copy on CUDA (the caching host allocator keeps the pinned block until the copy is
+    done); under `FakeTensorMode` a fake tensor of their shape."""
+    device = torch.device(device)
+    if not isinstance(values, torch.Tensor):
+        if _fake_mode_active():
+            return torch.zeros(values.shape, dtype=torch.from_numpy(np.zeros(0, values.dtype)).dtype, device=device)
+        values = torch.from_numpy(np.ascontiguousarray(values))
+    if values.device == device:
+        return values
+    if device.type == "cuda" and values.device.type == "cpu" and not is_fake(values):
+        values = values.pin_memory()
+    return values.to(device, non_blocking=True)
 
 
 __all__ = ["HostCopy", "is_fake", "to_device"]

@@ -10,6 +10,10 @@ vocabulary shard, `aniso_plugins.core.model.ModelHandle.head_weight_in_forward`)
 shard plus the mesh group to reduce over (`aniso_plugins.numerics.distributed.mesh_rows`); a
 ``Replicate`` DTensor is its local tensor.
 Rows are normalized in float32 or wider, with autocast off (`no_autocast`).
+
+Nothing here reads a device value on the host (docs/performance.md §5.8): the
+excluded ids, the pairs j = i of a block and the sampled rows' ids are placed from Python
+integers and a host-side draw, never by a boolean index, `nonzero` or `.item()`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from aniso_plugins.numerics.distributed import chunk_bounds, mesh_rows
+from aniso_plugins.numerics.host_copy import to_device
 from aniso_plugins.numerics.linalg import all_reduce_sum_shared
 
 
@@ -83,17 +88,26 @@ def check_ids(exclude_ids: Sequence[int], total: int) -> list[int]:
     return ids
 
 
+def _runs(ids: list[int], offset: int, n: int) -> list[tuple[int, int]]:
+    """The sorted `ids` that fall in [offset, offset + n), as local runs [lo, hi) of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if offset <= i < offset + n:
+            if runs and runs[-1][1] == i - offset:
+                runs[-1] = (runs[-1][0], i - offset + 1)
+            else:
+                runs.append((i - offset, i - offset + 1))
+    return runs
+
+
 def unit_rows(parts: Rows, exclude_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(û, valid): the local rows normalized to unit length (float32/64), and which of them
     take part. Rows of norm 0 and excluded ids are not valid; their û rows are 0 (no gradient)."""
     x = parts.rows.to(work_dtype(parts.rows.dtype))
     norm = torch.linalg.vector_norm(x, dim=1)
     valid = norm > 0
-    ids = check_ids(exclude_ids, parts.total)
-    if ids:
-        local = torch.tensor(ids, dtype=torch.long, device=x.device) - parts.offset
-        local = local[(local >= 0) & (local < x.shape[0])]
-        valid[local] = False
+    for lo, hi in _runs(check_ids(exclude_ids, parts.total), parts.offset, x.shape[0]):
+        valid[lo:hi] = False  # a slice fill: no host read, no host-to-device copy
     scale = valid / torch.where(valid, norm, torch.ones_like(norm))  # 1/‖w_i‖, 0 for invalid rows
     return x * scale.unsqueeze(1), valid
 
@@ -134,4 +148,80 @@ def column_block(
     return torch.cat(gathered), torch.cat(ids)
 
 
-__all__ = ["GradientInForward", "Rows", "check_ids", "column_block", "global_sum", "no_autocast", "split_rows", "unit_rows", "valid_count", "work_dtype"]
+def own_diagonal(
+    offset: int, n: int, start: int, block: int, total: int, group: dist.ProcessGroup | None
+) -> list[tuple[int, int, int]]:
+    """Where the columns of ``column_block(…, start, block, total, group)`` are the local rows
+    ``offset … offset + n − 1`` themselves (the pairs j = i): diagonal segments (first local row,
+    first column, length), from the row partition alone (Python integers: no device read)."""
+    world = 1 if group is None else dist.get_world_size(group)
+    segments = []
+    for r in range(world):
+        lo, hi = (0, total) if group is None else chunk_bounds(total, r, world)
+        first, last = max(lo + start, offset), min(lo + start + block, hi, offset + n)
+        if first < last:
+            segments.append((first - offset, r * block + first - lo - start, last - first))
+    return segments
+
+
+def mask_diagonal(scores: torch.Tensor, segments: list[tuple[int, int, int]], value: float) -> torch.Tensor:
+    """`scores` with ``value`` written on the diagonal `segments` of `own_diagonal` (in place)."""
+    for row, col, length in segments:
+        scores[row : row + length, col : col + length].diagonal().fill_(value)
+    return scores
+
+
+def gather_sampled(flagged: torch.Tensor, own: torch.Tensor, mine: torch.Tensor, group) -> torch.Tensor:
+    """The sampled rows [û | valid] (s × d+1) on every rank: each rank fills those it holds
+    (gather at the clamped local index, zeros elsewhere), summed over `group`."""
+    if flagged.shape[0] == 0:  # an empty shard holds none
+        rows = flagged.new_zeros(len(own), flagged.shape[1])
+    else:
+        rows = torch.where(mine.unsqueeze(1), flagged[own.clamp(0, flagged.shape[0] - 1)], 0.0)
+    if group is not None:
+        dist.all_reduce(rows, group=group)  # each sampled row lives on one rank
+    return rows
+
+
+def mask_own(scores: torch.Tensor, own: torch.Tensor, mine: torch.Tensor, value: float) -> torch.Tensor:
+    """`scores` (sampled rows × local rows) with ``value`` at (b, own_b) where row b is local: a
+    gather and a scatter at the clamped index (rows that are not local write back their value)."""
+    if scores.shape[1] == 0:
+        return scores
+    at = own.clamp(0, scores.shape[1] - 1).unsqueeze(1)
+    return scores.scatter_(1, at, torch.where(mine.unsqueeze(1), value, scores.gather(1, at)))
+
+
+def sample_ids(
+    total: int, exclude_ids: Sequence[int], sample: int, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """S = P[randperm(|P|, generator)[:sample]], P the ids of [0, total) not in `exclude_ids`, in
+    increasing order, as int64 on `device`. The j-th id of P is j + #{k : e_k − k ≤ j} (e_k the
+    sorted excluded ids), a `searchsorted` on the generator's device: no host read; a CPU draw
+    reaches a CUDA `device` through pinned memory and a non-blocking copy."""
+    excluded = check_ids(exclude_ids, total)
+    where = generator.device if generator is not None else torch.device("cpu")
+    picks = torch.randperm(total - len(excluded), generator=generator, device=where)[:sample]
+    if excluded:
+        below = torch.tensor([e - k for k, e in enumerate(excluded)], dtype=picks.dtype, device=where)
+        picks = picks + torch.searchsorted(below, picks, right=True)
+    return to_device(picks, device)
+
+
+__all__ = [
+    "GradientInForward",
+    "Rows",
+    "check_ids",
+    "column_block",
+    "gather_sampled",
+    "global_sum",
+    "mask_diagonal",
+    "mask_own",
+    "no_autocast",
+    "own_diagonal",
+    "sample_ids",
+    "split_rows",
+    "unit_rows",
+    "valid_count",
+    "work_dtype",
+]

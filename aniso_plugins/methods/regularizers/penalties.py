@@ -23,7 +23,13 @@ Where the rows live (every function, same rule):
 - a ``Replicate`` DTensor is computed in full from its local tensor.
 
 Numerics: rows are normalized and multiplied in float32 (bf16/fp16 weights are upcast, autocast
-is disabled inside), statistics and values are accumulated in float64.
+is disabled inside), statistics and values are accumulated in float64; spectrum control's Gram
+sums float32 products of row blocks in float64 (`aniso_plugins.numerics.linalg.block_gram`: no
+float64 copy of W).
+
+No host read (docs/performance.md §5.8): N and the normalisers stay on the device, the pairs
+j = i and the excluded ids are placed from Python integers, the sampled ids are drawn on the
+host and copied without blocking (`aniso_plugins.numerics.rows`).
 """
 
 from __future__ import annotations
@@ -36,13 +42,18 @@ import torch
 import torch.distributed as dist
 
 from aniso_plugins.numerics.distributed import ceil_div
-from aniso_plugins.numerics.linalg import ROW_BLOCK, gram_stats, singular_values
+from aniso_plugins.numerics.linalg import ROW_BLOCK, block_gram, singular_values
 from aniso_plugins.numerics.rows import (
     GradientInForward,
     check_ids,
     column_block,
     global_sum,
+    gather_sampled,
+    mask_diagonal,
+    mask_own,
     no_autocast,
+    own_diagonal,
+    sample_ids,
     split_rows,
     unit_rows,
     valid_count,
@@ -73,8 +84,8 @@ def cosreg(weight: torch.Tensor, exclude_ids: Sequence[int] = ()) -> torch.Tenso
 
 
 class _HingeExact(GradientInForward):
-    """Σ_{i local} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ) over all ranks, times `scale`, with the gradient
-    2·M·Û (M = 1[cos > γ], symmetric) accumulated in the forward, block by block."""
+    """Σ_{i local} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ) over all ranks, times `scale` (a 0-d tensor), with
+    the gradient 2·M·Û (M = 1[cos > γ], symmetric) accumulated in the forward, block by block."""
 
     @staticmethod
     def forward(ctx, unit, valid, offset, total, margin, block, scale, group):
@@ -86,13 +97,11 @@ class _HingeExact(GradientInForward):
         grad = torch.zeros_like(unit) if ctx.needs_input_grad[0] else None
         value = torch.zeros((), dtype=torch.float64, device=unit.device)
         for k in range(rounds):
-            cols, col_ids = column_block(flagged, k * block, block, total, group)
+            cols, _ = column_block(flagged, k * block, block, total, group)
             cos = unit @ cols[:, :d].T  # (n, ≤ world·block): the only O(block·V) tensor
             cos.masked_fill_(~valid.unsqueeze(1), -math.inf)
             cos.masked_fill_(~(cols[:, d] > 0).unsqueeze(0), -math.inf)
-            own = col_ids - offset
-            hit = (col_ids >= 0) & (own >= 0) & (own < n)
-            cos[own[hit], hit.nonzero().squeeze(1)] = -math.inf  # j = i
+            mask_diagonal(cos, own_diagonal(offset, n, k * block, block, total, group), -math.inf)  # j = i
             if grad is not None:
                 grad.addmm_((cos > margin).to(unit.dtype), cols[:, :d], alpha=2.0)
             value += cos.sub_(margin).clamp_min_(0.0).sum(dtype=torch.float64)
@@ -103,7 +112,6 @@ class _HingeExact(GradientInForward):
         return value * scale
 
 
-
 class _HingeSampled(GradientInForward):
     """Σ_{i∈S} Σ_{j≠i} max(0, ûᵢᵀûⱼ − γ), times `scale`; gradient Mᵀ Û_S on every row j plus
     M Û on the sampled rows i (M = 1[cos > γ], S × V), accumulated in the forward."""
@@ -111,13 +119,9 @@ class _HingeSampled(GradientInForward):
     @staticmethod
     def forward(ctx, unit, valid, offset, sample_ids, margin, block, scale, group):
         n, d = unit.shape
-        flagged = torch.cat([unit, valid.unsqueeze(1).to(unit.dtype)], 1)
         own = sample_ids - offset
         mine = (own >= 0) & (own < n)
-        rows = flagged.new_zeros(len(sample_ids), d + 1)
-        rows[mine] = flagged[own[mine]]
-        if group is not None:
-            dist.all_reduce(rows, group=group)  # each sampled row lives on one rank
+        rows = gather_sampled(torch.cat([unit, valid.unsqueeze(1).to(unit.dtype)], 1), own, mine, group)
         rows_unit, rows_valid = rows[:, :d], rows[:, d] > 0
         want_grad = ctx.needs_input_grad[0]
         grad = torch.zeros_like(unit) if want_grad else None
@@ -128,8 +132,7 @@ class _HingeSampled(GradientInForward):
             cos = ru @ unit.T  # (≤ block, n)
             cos.masked_fill_(~rows_valid[b : b + block].unsqueeze(1), -math.inf)
             cos.masked_fill_(~valid.unsqueeze(0), -math.inf)
-            hit = mine[b : b + block]
-            cos[hit.nonzero().squeeze(1), own[b : b + block][hit]] = -math.inf  # j = i
+            mask_own(cos, own[b : b + block], mine[b : b + block], -math.inf)  # j = i
             if want_grad:
                 active = (cos > margin).to(unit.dtype)
                 grad.addmm_(active.T, ru)
@@ -140,10 +143,10 @@ class _HingeSampled(GradientInForward):
         if want_grad:
             if group is not None:
                 dist.all_reduce(row_grad, group=group)
-            grad.index_add_(0, own[mine], row_grad[mine])
+            if n:
+                grad.index_add_(0, own.clamp(0, n - 1), torch.where(mine.unsqueeze(1), row_grad, 0.0))
             ctx.save_for_backward(grad.mul_(scale))
         return value * scale
-
 
 
 def cosine_hinge(
@@ -185,28 +188,23 @@ def cosine_hinge(
     parts = split_rows(weight, "cosine_hinge")
     with no_autocast(parts.rows):
         unit, valid = unit_rows(parts, exclude_ids)
-        n = float(valid_count(valid, parts.group))
-        norm = 1.0 / max(n, 1.0) ** 2
-        excluded = check_ids(exclude_ids, parts.total)
-        population = parts.total - len(excluded)
+        norm = valid_count(valid, parts.group).clamp_min(1.0).square().reciprocal()  # 1/N², on the device
+        population = parts.total - len(check_ids(exclude_ids, parts.total))
         if sample is None or sample >= population:
             return _HingeExact.apply(unit, valid, parts.offset, parts.total, float(margin), block, norm, parts.group)
-        keep = torch.ones(parts.total, dtype=torch.bool)
-        keep[excluded] = False
-        perm = torch.randperm(population, generator=generator, device=generator.device if generator else "cpu")
-        ids = keep.nonzero().squeeze(1)[perm[:sample].cpu()].to(unit.device)
-        scale = population / sample * norm
+        ids = sample_ids(parts.total, exclude_ids, sample, generator, unit.device)
+        scale = norm * (population / sample)
         return _HingeSampled.apply(unit, valid, parts.offset, ids, float(margin), block, scale, parts.group)
 
 
 def weight_singular_values(weight: torch.Tensor) -> torch.Tensor:
     """Singular values σ_1 ≥ … ≥ σ_d of W (V×d), float64, differentiable, from the d×d Gram
-    WᵀW = Σ_shards W_rᵀW_r (`aniso_plugins.numerics.linalg.gram_stats` / `singular_values`,
-    docs/performance.md §5.1-5.2). The gradient is finite only where σ_k > 0 (V ≥ d, full rank)."""
+    WᵀW = Σ_shards W_rᵀW_r (`aniso_plugins.numerics.linalg.block_gram`: float32 products of row
+    blocks summed in float64, then `singular_values`; docs/methods.md §4 for the precision,
+    σ_k to ~1e-7·(σ_1/σ_k)² relative). The gradient is finite only where σ_k > 0 (V ≥ d, full rank)."""
     parts = split_rows(weight, "weight_singular_values")
     with no_autocast(parts.rows):
-        gram = global_sum(gram_stats(parts.rows).gram, parts.group)
-        return singular_values(gram)
+        return singular_values(global_sum(block_gram(parts.rows), parts.group))
 
 
 def spectrum_penalty(

@@ -36,7 +36,11 @@ class RegularizerPlugin(Plugin):
     Sampled hinge: the rows of a call are drawn with a generator seeded from
     (step, micro-batch), identical on every rank and on a resumed run.
     Spectrum with ``spectrum_c1=None``: c1 = σ1 of the head at the first call (before the first
-    optimizer step), kept in the plugin state so that a resumed run keeps the same prior."""
+    optimizer step), kept in the plugin state so that a resumed run keeps the same prior.
+
+    No host read in a training step after the first (docs/performance.md §5.8):
+    the value of R is kept as a detached tensor and read at the measurement; the one read is
+    spectrum's c1 (``float(σ1)``) at the first call of a run without ``spectrum_c1``."""
 
     acts_in_head_forward = True
 
@@ -47,7 +51,7 @@ class RegularizerPlugin(Plugin):
         super().__init__(config)
         self.name = self.method = chosen[0]
         self.c1: float | None = config.spectrum_c1
-        self.last_value: float | None = None
+        self.last_value: torch.Tensor | None = None  # detached, read at the next measurement only
 
     def setup(self, model: ModelHandle) -> None:
         config = self.config
@@ -87,7 +91,7 @@ class RegularizerPlugin(Plugin):
     @hookimpl
     def aniso_loss_terms(self, step: StepInfo) -> dict[str, torch.Tensor]:
         value = self.penalty(self.model.head_weight_in_forward(), step)
-        self.last_value = float(value.detach())
+        self.last_value = value.detach()
         term = self.config.reg_weight * value
         if self.config.reg_every_microbatch:
             term = term / step.accumulation_steps
@@ -96,7 +100,7 @@ class RegularizerPlugin(Plugin):
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         if self.last_value is None:
             return None
-        return {f"{self.name}/value": self.last_value}
+        return {f"{self.name}/value": float(self.last_value)}
 
     @hookimpl
     def aniso_state_dict(self) -> dict[str, dict[str, torch.Tensor]] | None:

@@ -54,6 +54,8 @@ class SimCSEPlugin(Plugin):
         self._want = False  # between a micro-batch's aniso_targets and its loss term
         self._output: torch.Tensor | None = None  # the last block's output of that micro-batch
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # last measured pairs, detached
+        self._packed: bool | None = None  # several sentences per row (checked on the first packed micro-batch)
+        self._pairs_read = False  # the pairs' checks read back once (then at measurement steps)
 
     @hookimpl
     def aniso_supplies_loss(self) -> bool:
@@ -92,7 +94,9 @@ class SimCSEPlugin(Plugin):
                 "method='simcse': this trainer adapter passes no input_ids, so the sentence pairs of a micro-batch "
                 "cannot be checked; SimCSE needs an adapter with dict batches (HF Trainer, Lightning)"
             )
-        if step.sequence_ids is not None:
+        if step.sequence_ids is not None and self._packed is None:  # once a run: a read back of the ids
+            self._packed = bool((step.sequence_ids != step.sequence_ids[..., :1]).any())
+        if self._packed:
             raise ConfigError(
                 "method='simcse' with a packed micro-batch (several sentences per row, e.g. DataCollatorWithFlattening): "
                 f"SimCSE pools one sentence per row; {_FIX}"
@@ -101,15 +105,20 @@ class SimCSEPlugin(Plugin):
             raise ConfigError(
                 f"method='simcse': a micro-batch of input_ids {tuple(ids.shape)} is not (2N, T) pairs: {_FIX}"
             )
-        if mask is not None and self.config.simcse_pooling == "cls" and not bool(mask[:, 0].all()):
+        cls_ok = mask[:, 0].all() if mask is not None and self.config.simcse_pooling == "cls" else ids.new_ones((), dtype=torch.bool)
+        labelled = (targets != self.config.ignore_index).any()
+        masks_same = (mask[0::2] == mask[1::2]).all() if mask is not None else cls_ok.new_ones(())
+        same = masks_same & (labelled | (ids[0::2] == ids[1::2]).all())
+        if self._pairs_read and not step.measure:  # checked on the device: no host read in a training step
+            torch._assert_async(cls_ok & same, f"method='simcse': a micro-batch is not (2N, T) sentence pairs: {_FIX}")
+            return
+        self._pairs_read = True  # read back on the first micro-batch and at measurement steps, with the reason
+        cls_ok, labelled, same = torch.stack([cls_ok, labelled, same]).tolist()
+        if not cls_ok:
             raise ConfigError(
                 "simcse_pooling='cls' reads position 0, but some rows are padding there (left padding): pad on the "
                 "right (tokenizer.padding_side='right') or use simcse_pooling='mean'"
             )
-        labelled = bool((targets != self.config.ignore_index).any())
-        same = torch.equal(mask[0::2], mask[1::2]) if mask is not None else True
-        if not labelled:
-            same = same and torch.equal(ids[0::2], ids[1::2])
         if not same:
             what = "padding masks" if labelled else "input_ids"
             raise ConfigError(f"method='simcse': rows 2i and 2i + 1 of a micro-batch have different {what}: {_FIX}")

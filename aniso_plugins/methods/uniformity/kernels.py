@@ -20,7 +20,9 @@ which equals the mean over ordered pairs i ≠ j used here.
 Numerics: exponents a_ij = −t‖x̂_i − x̂_j‖² = 2t(x̂_i·x̂_j − 1) are formed in float32 (float64 for
 float64 input, autocast off) and summed as exp(a_ij − m)·e^m with a running maximum m, so that
 no exp underflows to an empty sum for any t (the log-sum-exp of blocks, combined); sums are
-accumulated in float64.
+accumulated in float64. The training terms read nothing back to the host (docs/performance.md
+§5.8): N < 2 and an empty sum are `torch.where`s, the pairs j = i are diagonals placed from the
+row partition, the sampled rows are gathered under a mask.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ from aniso_plugins.numerics.rows import (
     Rows,
     check_ids,
     column_block,
+    gather_sampled,
+    mask_diagonal,
+    mask_own,
     no_autocast,
+    own_diagonal,
+    sample_ids,
     split_rows,
     unit_rows,
     valid_count,
@@ -98,16 +105,17 @@ class _RunningSum:
         top = shift.clone()
         if group is not None:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        if not torch.isfinite(top):
-            return top
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # nothing summed: total 0, log −inf
         total = self.total * torch.exp(shift - top)
         if group is not None:
             dist.all_reduce(total, group=group)
         return top + total.log()
 
     def weight(self, log_total: torch.Tensor) -> torch.Tensor:
-        """exp(shift − log Σ): turns this rank's accumulated exp(a − shift) into exp(a)/Σ."""
-        return torch.exp(self.shift.double() - log_total).to(self.shift.dtype)
+        """exp(shift − log Σ): turns this rank's accumulated exp(a − shift) into exp(a)/Σ; 0 when
+        the sum is empty (log Σ = −inf), so that an unused gradient stays finite."""
+        ratio = torch.exp(self.shift.double() - log_total)
+        return torch.where(torch.isfinite(log_total), ratio, torch.zeros_like(ratio)).to(self.shift.dtype)
 
 
 def _exponents(left: torch.Tensor, right: torch.Tensor, t: float, left_valid, right_valid) -> torch.Tensor:
@@ -120,24 +128,20 @@ def _exponents(left: torch.Tensor, right: torch.Tensor, t: float, left_valid, ri
 def _exact_sums(
     unit: torch.Tensor,
     valid: torch.Tensor,
-    offset: int,
-    columns: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    columns: Iterable[tuple[torch.Tensor, list[tuple[int, int, int]]]],
     t: float,
     want_grad: bool,
     group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log Σ over the local rows i (global ids offset + 0..n−1) and every column j ≠ i of
-    exp(a_ij), summed over the ranks of `group`; and, if `want_grad`, its gradient w.r.t. the
-    local û_i, 4t Σ_j exp(a_ij)/Σ · û_j (both orders of each pair; a_ij is symmetric).
-    `columns` yields (flagged column rows [û | valid], global ids, −1 for padding)."""
-    n, d = unit.shape
+    """log Σ over the local rows i and every column j ≠ i of exp(a_ij), summed over the ranks of
+    `group`; and, if `want_grad`, its gradient w.r.t. the local û_i, 4t Σ_j exp(a_ij)/Σ · û_j
+    (both orders of each pair; a_ij is symmetric). `columns` yields (flagged column rows
+    [û | valid], the diagonal segments where a column is the row itself: `own_diagonal`)."""
+    d = unit.shape[1]
     acc = _RunningSum(unit)
     grad = torch.zeros_like(unit) if want_grad else None
-    for cols, col_ids in columns:
-        a = _exponents(unit, cols[:, :d], t, valid, cols[:, d] > 0)
-        own = col_ids - offset
-        hit = (col_ids >= 0) & (own >= 0) & (own < n)
-        a[own[hit], hit.nonzero().squeeze(1)] = _NEG_INF  # j = i
+    for cols, own in columns:
+        a = mask_diagonal(_exponents(unit, cols[:, :d], t, valid, cols[:, d] > 0), own, _NEG_INF)  # j ≠ i
         weights, factor = acc.add(a)
         if grad is not None:
             grad.mul_(factor).addmm_(weights, cols[:, :d])
@@ -159,8 +163,14 @@ class _ExactLogSum(GradientInForward):
         world = 1 if group is None else dist.get_world_size(group)
         flagged = _flagged(unit, valid)
         rounds = ceil_div(ceil_div(total, world), block)  # blocks of the largest shard
-        columns = (column_block(flagged, k * block, block, total, group) for k in range(rounds))
-        log_total, grad = _exact_sums(unit, valid, offset, columns, t, ctx.needs_input_grad[0], group)
+        columns = (
+            (
+                column_block(flagged, k * block, block, total, group)[0],
+                own_diagonal(offset, len(unit), k * block, block, total, group),
+            )
+            for k in range(rounds)
+        )
+        log_total, grad = _exact_sums(unit, valid, columns, t, ctx.needs_input_grad[0], group)
         if grad is not None:
             ctx.save_for_backward(grad)
         return log_total
@@ -175,10 +185,7 @@ class _SampledLogSum(GradientInForward):
         n, d = unit.shape
         own = sample_ids - offset
         mine = (own >= 0) & (own < n)
-        rows = unit.new_zeros(len(sample_ids), d + 1)
-        rows[mine] = _flagged(unit, valid)[own[mine]]
-        if group is not None:
-            dist.all_reduce(rows, group=group)  # each sampled row lives on one rank
+        rows = gather_sampled(_flagged(unit, valid), own, mine, group)
         want_grad = ctx.needs_input_grad[0]
         acc = _RunningSum(unit)
         grad = torch.zeros_like(unit) if want_grad else None
@@ -186,21 +193,20 @@ class _SampledLogSum(GradientInForward):
         for b in range(0, len(sample_ids), block):
             ru = rows[b : b + block, :d]
             a = _exponents(ru, unit, t, rows[b : b + block, d] > 0, valid)
-            hit = mine[b : b + block]
-            a[hit.nonzero().squeeze(1), own[b : b + block][hit]] = _NEG_INF  # j = i
+            mask_own(a, own[b : b + block], mine[b : b + block], _NEG_INF)  # j = i
             weights, factor = acc.add(a)
             if want_grad:
                 grad.mul_(factor).addmm_(weights.T, ru)
                 row_grad.mul_(factor)[b : b + block] = weights @ unit
         log_total = acc.log_total(group)
         if want_grad:
-            finite = torch.isfinite(log_total)  # else no sampled pair: the caller returns 0
-            scale = acc.weight(log_total) * (2.0 * t) if finite else torch.zeros_like(acc.shift)
+            scale = acc.weight(log_total) * (2.0 * t)  # 0 without a sampled pair: the caller returns 0
             grad.mul_(scale)
             row_grad.mul_(scale)
             if group is not None:
                 dist.all_reduce(row_grad, group=group)
-            grad.index_add_(0, own[mine], row_grad[mine])
+            if n:
+                grad.index_add_(0, own.clamp(0, n - 1), torch.where(mine.unsqueeze(1), row_grad, 0.0))
             ctx.save_for_backward(grad)
         return log_total
 
@@ -254,23 +260,18 @@ def row_uniformity(
     parts = split_rows(weight, "row_uniformity")
     with no_autocast(parts.rows):
         unit, valid = unit_rows(parts, exclude_ids)
-        n = float(valid_count(valid, parts.group))
+        n = valid_count(valid, parts.group)  # on the device: no host read, N < 2 is a where
         zero = unit.sum(dtype=torch.float64) * 0.0
-        if n < 2:
-            return zero
-        log_pairs = math.log(n * (n - 1))
-        excluded = check_ids(exclude_ids, parts.total)
-        population = parts.total - len(excluded)
+        log_pairs = torch.log(n * (n - 1))
+        population = parts.total - len(check_ids(exclude_ids, parts.total))
         if sample is None or sample >= population:
-            return _ExactLogSum.apply(unit, valid, parts.offset, parts.total, float(t), block, parts.group) - log_pairs
-        keep = torch.ones(parts.total, dtype=torch.bool)
-        keep[excluded] = False
-        perm = torch.randperm(population, generator=generator, device=generator.device if generator else "cpu")
-        ids = keep.nonzero().squeeze(1)[perm[:sample].cpu()].to(unit.device)
-        log_total = _SampledLogSum.apply(unit, valid, parts.offset, ids, float(t), block, parts.group)
-        if not torch.isfinite(log_total.detach()):
-            return zero
-        return log_total + math.log(population / sample) - log_pairs
+            log_total = _ExactLogSum.apply(unit, valid, parts.offset, parts.total, float(t), block, parts.group)
+        else:
+            ids = sample_ids(parts.total, exclude_ids, sample, generator, unit.device)
+            log_total = _SampledLogSum.apply(unit, valid, parts.offset, ids, float(t), block, parts.group)
+            log_pairs = log_pairs - math.log(population / sample)
+        # no valid pair (N < 2, or no sampled row with a partner): 0, and the kernels' gradient is 0
+        return torch.where((n >= 2) & torch.isfinite(log_total), log_total - log_pairs, zero)
 
 
 # --- metric pieces --------------------------------------------------------------------------------
@@ -292,10 +293,9 @@ def pair_logsumexp(
         lo, hi, _ = (rows or slice(None)).indices(full.shape[0])
         flagged = _flagged(unit, valid)
         columns = (
-            (flagged[s : s + block], torch.arange(s, min(s + block, len(full)), device=full.device))
-            for s in range(0, len(full), block)
+            (flagged[s : s + block], own_diagonal(lo, hi - lo, s, block, len(full), None)) for s in range(0, len(full), block)
         )
-        log_total, _ = _exact_sums(unit[lo:hi], valid[lo:hi], lo, columns, float(t), False, None)
+        log_total, _ = _exact_sums(unit[lo:hi], valid[lo:hi], columns, float(t), False, None)
         if not torch.isfinite(full).all():  # a NaN row would otherwise drop out as a zero row
             log_total = torch.full_like(log_total, math.nan)
         pairs = valid[lo:hi].sum(dtype=torch.float64) * (valid.sum(dtype=torch.float64) - 1).clamp_min(0)

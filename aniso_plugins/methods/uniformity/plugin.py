@@ -117,8 +117,10 @@ class UniformityPlugin(Plugin):
                 "not aligned; the adapter must pass the targets of the head's output positions"
             )
         flat = hidden.reshape(-1, hidden.shape[-1])
-        keep = (targets.reshape(-1) != self.config.ignore_index).to(flat.device)
-        value = row_uniformity(flat[keep], self.config.uniformity_t, block=self.config.uniformity_block)
+        keep = (targets.reshape(-1) != self.config.ignore_index).to(flat.device, non_blocking=True)
+        # positions without a target become zero rows, which take no part: a static shape, no boolean index
+        rows = torch.where(keep.unsqueeze(1), flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+        value = row_uniformity(rows, self.config.uniformity_t, block=self.config.uniformity_block)
         return {HIDDEN_TERM: value * (self.config.uniformity_weight / (step.batch_ranks * step.accumulation_steps))}
 
 
