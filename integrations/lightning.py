@@ -205,6 +205,14 @@ class AnisoCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._refuse_tensor_parallel_head()
+        if not isinstance(trainer.fit_loop._data_fetcher, _PrefetchDataFetcher):
+            self.detach()
+            raise SetupError(
+                "the LightningModule's training_step takes the dataloader iterator (it fetches its batches itself): "
+                "AnisoCallback reads each training batch's targets before its forward (AGG: every batch of an "
+                "optimizer step before the first), which Lightning then does not hand to callbacks; take `batch` in "
+                "training_step"
+            )
         acc = trainer.accumulate_grad_batches
         loss_scale, grad_scaler = 1.0, getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed AMP
         if isinstance(trainer.strategy, DeepSpeedStrategy):
@@ -328,13 +336,7 @@ class _StepLookahead(Iterator):
     def of(cls, trainer: pl.Trainer) -> _StepLookahead:
         """The lookahead of the running fit loop's fetcher (installed on first use, and again
         when the fetcher makes a new iterator, at each epoch)."""
-        fetcher = trainer.fit_loop._data_fetcher
-        if not isinstance(fetcher, _PrefetchDataFetcher):
-            raise SetupError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} with a training_step that takes the "
-                "dataloader iterator: a method reading each optimizer step's whole batch (AGG) needs the step's "
-                "batches before its first forward; take `batch` in training_step, or accumulate_grad_batches=1"
-            )
+        fetcher = trainer.fit_loop._data_fetcher  # a _PrefetchDataFetcher (on_train_start refuses the others)
         if not isinstance(fetcher.iterator, cls):
             fetcher.iterator = cls(fetcher)
         return fetcher.iterator

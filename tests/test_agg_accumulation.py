@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
-from aniso_plugins import AnisoConfig, SetupError, TrainingSession
-from aniso_plugins.core.model import ModelHandle
+from aniso_plugins import AnisoConfig
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.integrations.hf import AnisoCallback, AnisoTrainer
 from hf_utils import GradCapture, TokenDataset, tiny_llama
@@ -95,38 +93,6 @@ def test_hf_one_batch_equals_the_float64_whole_step_reference(tmp_path):
     (expected,) = torch.autograd.grad(loss, weight)
     assert int(rare[targets[targets != -100]].sum()) > 0  # rare targets: parts (b) and (c) both gated
     assert rel(got, expected) < 1e-5
-
-
-def test_a_split_step_not_announced_is_refused():
-    """An adapter (or a hand-written loop) that announces micro-batches of a step of several
-    without `begin_step` gets an error naming the call, not a different method."""
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(11, 4)
-            self.lm_head = torch.nn.Linear(4, 11, bias=False)
-
-        def forward(self, ids):
-            return self.lm_head(self.embed(ids))
-
-    model = Tiny()
-    session = TrainingSession(AnisoConfig(method="agg", alpha=0.5, window=2, metrics=(), load_entry_points=False))
-    session.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
-    session.begin_training(accumulation_steps=2)
-    assert session.wants_step_targets
-    tgt = torch.randint(0, 11, (2, 5))
-    with pytest.raises(SetupError, match=r"step 1 has 2 micro-batches.*begin_step"):
-        session.begin_micro_batch(tgt, step=1, accumulation_steps=2)
-    # announced, it runs: both micro-batches gated with the same (whole-step) gates
-    session.begin_step([tgt, tgt.flip(0)], step=1)
-    gates = []
-    for m, part in enumerate((tgt, tgt.flip(0))):
-        session.begin_micro_batch(part, step=1, accumulation_steps=2)
-        gates.append(session.plugins.get("agg").last_gates)
-        F.cross_entropy(model(torch.zeros_like(part)).reshape(-1, 11), part.reshape(-1)).backward()
-    assert gates[0] is gates[1]
-    session.end_step(1)
 
 
 # --- Lightning ---------------------------------------------------------------------------------

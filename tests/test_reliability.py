@@ -25,7 +25,7 @@ from lightning_utils import LitLM, loader
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from aniso_plugins import AnisoConfig, ConfigError, SetupError, StateError, TrainingSession, detach
+from aniso_plugins import AnisoConfig, ConfigError, ModelHandle, SetupError, StateError, TrainingSession, detach
 from aniso_plugins.integrations.hf import AnisoCallback
 from aniso_plugins.integrations.lightning import AnisoCallback as LightningCallback
 
@@ -226,6 +226,47 @@ def test_agg_refuses_float_labels(tmp_path):
                       callbacks=[AnisoCallback(cfg(method="agg", window=3))])
     with pytest.raises(SetupError, match="torch.float32, not integer token ids"):
         trainer.train()
+
+
+def test_a_loop_that_splits_a_step_without_announcing_it_is_refused():
+    """A hand-written loop on the session API: several micro-batches of a step announced without
+    `begin_step` would gate each with partial counts (another method than one batch): refused
+    at the first one, naming the call; announced, the step runs with one set of gates."""
+    model = LitLM().model
+    session = TrainingSession(cfg(method="agg", alpha=0.5, window=2))
+    session.setup(ModelHandle(model, head="lm_head", input_embedding="embed"))
+    session.begin_training(accumulation_steps=2)
+    ids = torch.randint(0, 64, (2, 6))
+    with pytest.raises(SetupError, match=r"step 1 has 2 micro-batches.*TrainingSession.begin_step"):
+        session.begin_micro_batch(ids, step=1, accumulation_steps=2)
+    session.begin_step([ids, ids.flip(0)], step=1)
+    gates = []
+    for part in (ids, ids.flip(0)):
+        session.begin_micro_batch(part, step=1, accumulation_steps=2)
+        gates.append(session.plugins.get("agg").last_gates)
+        F.cross_entropy(model(part).reshape(-1, 64), part.reshape(-1)).backward()
+    session.end_step(1)
+    assert gates[0] is gates[1]
+
+
+def test_lightning_training_step_on_the_dataloader_iterator_is_refused(tmp_path):
+    """The callback reads each batch's targets before its forward (AGG: every batch of an optimizer
+    step before the first); a training_step that takes the dataloader iterator fetches them
+    itself: refused before the first forward, the model as it was."""
+
+    class IterStep(LitLM):
+        def training_step(self, dataloader_iter):
+            batch, _, _ = next(dataloader_iter)
+            return self._loss(batch)
+
+    trainer = pl.Trainer(callbacks=[LightningCallback(cfg(method="agg", window=3), **PATHS)], accelerator="cpu",
+                         devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), accumulate_grad_batches=2)  # fmt: skip
+    module = IterStep()
+    before = module.model.lm_head.weight.detach().clone()
+    with pytest.raises(SetupError, match="training_step takes the dataloader iterator.*take `batch` in training_step"):
+        trainer.fit(module, loader())
+    assert torch.equal(module.model.lm_head.weight, before)  # no update happened
 
 
 # --- monitoring never takes a run down --------------------------------------------------------------
