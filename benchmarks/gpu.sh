@@ -4,9 +4,15 @@
 #      and typical), PyTorch's F.linear_cross_entropy, Liger-Kernel FLCE, CCE Triton and CCE
 #      torch_compile (a peer that is not installed is skipped with the reason);
 #   2. the token counter at V=262144, 65536 targets/step, K=10000 (targets on the GPU);
-#   3. one geometry measurement and one bottleneck probe at V=131072, d=4096.
+#   3. one geometry measurement and one bottleneck probe at V=131072, d=4096;
+#   4. host synchronisations per steady-state training step of every method through the HF Trainer
+#      (host_syncs.py: the dispatch-level count and CUDA's own, set_sync_debug_mode("warn"));
+#   5. with 2 GPUs or more: one HF Trainer step per engine on 2 processes over NCCL (hf_step.py --engine).
 # Budget: about 8 minutes on one recent GPU, most of it the counter's 10,200 CPU-side steps per law
 # and the first-call compilation of the Triton peers.
+#
+# Install first (a fresh GPU machine, from the repository's root; Liger-Kernel is the one peer not in an extra):
+#   pip install "torch==2.14.1" -e ".[hf,bench,deepspeed]" liger-kernel
 #
 #   bash benchmarks/gpu.sh                  # CUDA, bf16
 #   bash benchmarks/gpu.sh --device cpu     # smoke mode: the same three runs at tiny sizes on the CPU
@@ -35,3 +41,11 @@ fi
   --variants "$PEERS" "${HEADS[@]}"
 "$PYTHON" scale.py --device "$DEVICE" --threads "$THREADS" --section counter "${COUNTER[@]}"
 "$PYTHON" scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section geometry "${GEOMETRY[@]}"
+"$PYTHON" host_syncs.py --device "$DEVICE" --steps 3
+GPUS=0
+if [[ "$DEVICE" == cuda ]]; then GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())"); fi
+if (( GPUS >= 2 )); then
+  "$PYTHON" hf_step.py --engine ddp,fsdp2,zero2,zero3 --nproc 2 --rounds 2
+else
+  echo "gpu.sh: $GPUS GPU(s): the 2-process NCCL engine table (hf_step.py --engine) needs 2"
+fi
