@@ -28,11 +28,13 @@ if [[ "$DEVICE" == cuda ]]; then
   COUNTER=(--counter-vocab 262144 --counter-tokens 65536 --window 10000)
   GEOMETRY=(--geometry-vocab 131072 --geometry-dim 4096 --probe-tokens 4096)
   THREADS=8
+  SYNCS=()
 elif [[ "$DEVICE" == cpu ]]; then
   HEADS=(--vocab 1024 --tokens 64,128 --dim 32 --rounds 1 --memory-limit-gib 4)
   COUNTER=(--counter-vocab 1000 --counter-tokens 500 --window 20)
   GEOMETRY=(--geometry-vocab 512 --geometry-dim 32 --probe-tokens 64)
   THREADS=1
+  SYNCS=(--methods agg,agg_unfused,cosreg)
 else
   echo "gpu.sh: --device must be cuda or cpu, got $DEVICE" >&2
   exit 2
@@ -41,7 +43,7 @@ fi
   --variants "$PEERS" "${HEADS[@]}"
 "$PYTHON" scale.py --device "$DEVICE" --threads "$THREADS" --section counter "${COUNTER[@]}"
 "$PYTHON" scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section geometry "${GEOMETRY[@]}"
-"$PYTHON" host_syncs.py --device "$DEVICE" --steps 3
+"$PYTHON" host_syncs.py --device "$DEVICE" --steps 3 "${SYNCS[@]}"
 GPUS=0
 if [[ "$DEVICE" == cuda ]]; then GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())"); fi
 if (( GPUS >= 2 )); then

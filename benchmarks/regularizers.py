@@ -1,6 +1,5 @@
 """Cost of each regularizer (value + gradient) relative to a plain LM-head step and to CosReg,
-spectrum control's peak memory before and after 0.2.0, and the host reads each method adds to an
-HF Trainer step.
+and spectrum control's peak memory before and after 0.2.0.
 
 ``--section time`` (default). Baseline: F.linear(h, W) + F.cross_entropy over N tokens, forward
 and backward (gradients of h and W), measured in the same process. Each regularizer R(W) is timed
@@ -15,13 +14,10 @@ blocks summed into a float64 Gram, `aniso_plugins.numerics.linalg.block_gram`).
 ``--section memory``: the peak memory of one spectrum step (value + gradient) above the weight,
 each route in a fresh process (`measure.PeakMemory`: CUDA's allocator peak, or the CPU's peak RSS).
 
-``--section syncs``: host reads (`tests/device_discipline.py` ``HostSyncs``) per steady-state
-step of the HF Trainer (tiny GPT-2, no logging step in the window), with each method and without
-one; the difference is what the method adds.
+The host reads each method adds to a training step: ``benchmarks/host_syncs.py``.
 
     python benchmarks/regularizers.py                        # V=50304, d=768, N=4096, 2 threads
     python benchmarks/regularizers.py --section memory
-    python benchmarks/regularizers.py --section syncs
 """
 
 from __future__ import annotations
@@ -178,76 +174,10 @@ def memory_section(args) -> None:
         print(f"| {route} | {peak / 2**20:.0f} | {peak / w_bytes:.2f} | {ratio:.2f} |")
 
 
-SYNC_METHODS = {
-    "cosreg": dict(method="cosreg"),
-    "hinge": dict(method="hinge"),
-    "hinge, sampled": dict(method="hinge", hinge_sample=16),
-    "spectrum": dict(method="spectrum"),
-    "uniformity, head": dict(method="uniformity"),
-    "uniformity, head sampled": dict(method="uniformity", uniformity_sample=16),
-    "uniformity, hidden": dict(method="uniformity", uniformity_on="hidden"),
-}
-
-
-def _trainer_syncs(config: dict | None, steps: int, skip: int) -> tuple[float, dict]:
-    """Host reads per step over `steps` training steps after `skip`, through the HF Trainer."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.join(root, "tests"))
-    import tempfile
-
-    from device_discipline import HostSyncs
-    from hf_utils import TokenDataset, tiny_gpt2
-    from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from aniso_plugins import AnisoConfig
-    from aniso_plugins.integrations.hf import AnisoCallback
-
-    class Window(TrainerCallback):
-        def __init__(self):
-            self.syncs = HostSyncs(where=True)
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if state.global_step == skip:
-                self.syncs.__enter__()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == skip + steps:
-                self.syncs.__exit__(None, None, None)
-
-    window = Window()
-    callbacks: list = [window]
-    if config is not None:
-        callbacks.insert(0, AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False, **config)))
-    with tempfile.TemporaryDirectory() as out:
-        arguments = TrainingArguments(
-            output_dir=out, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no", seed=0,
-            per_device_train_batch_size=4, max_steps=skip + steps, logging_steps=10_000, learning_rate=1e-3,
-        )  # fmt: skip
-        Trainer(model=tiny_gpt2(), args=arguments, train_dataset=TokenDataset(), callbacks=callbacks).train()
-    return window.syncs.total / steps, dict(window.syncs.sites)
-
-
-def syncs_section(args) -> None:
-    from collections import Counter
-
-    plain, plain_sites = _trainer_syncs(None, args.sync_steps, 2)
-    _, adapter_sites = _trainer_syncs({"method": "none"}, args.sync_steps, 2)  # the adapter's own sites, plain MLE
-    print(f"HF Trainer, tiny GPT-2, CPU: host reads per step over steps 3..{2 + args.sync_steps} (no logging step)")
-    print()
-    print("| method | per step | added to the plain Trainer | sites the method adds (over the window) |")
-    print("|---|---|---|---|")
-    print(f"| none (plain Trainer) | {plain:g} | | |")
-    for name, config in SYNC_METHODS.items():
-        total, sites = _trainer_syncs(config, args.sync_steps, 2)
-        extra = Counter(sites) - Counter(adapter_sites) - Counter(plain_sites)
-        where = "; ".join(f"{k} ×{v}" for k, v in extra.items()) or "none"
-        print(f"| {name} | {total:g} | {total - plain:g} | {where} |")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_args(parser)
-    parser.add_argument("--section", choices=("time", "memory", "syncs"), default="time")
+    parser.add_argument("--section", choices=("time", "memory"), default="time")
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=4096)
@@ -256,7 +186,6 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=512, help="rows of the sampled hinge")
     parser.add_argument("--hinge-vocab", type=int, default=16384, help="vocabulary of the timed exact hinge")
     parser.add_argument("--block", type=int, default=1024, help="rows per block of the hinge")
-    parser.add_argument("--sync-steps", type=int, default=4, help="steady-state steps counted (--section syncs)")
     parser.add_argument("--worker", choices=SPECTRUM_ROUTES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -264,8 +193,6 @@ def main() -> None:
         memory_worker(args, device_of(args))
     elif args.section == "memory":
         memory_section(args)
-    elif args.section == "syncs":
-        syncs_section(args)
     else:
         time_section(args, device_of(args))
 

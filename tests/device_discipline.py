@@ -117,6 +117,8 @@ TRAINING_METHODS: dict[str, dict] = {
     "agg_lowrank": dict(method="agg", alpha=0.5, window=50, head="lowrank", lowrank_rank=4),
     "simctg": dict(method="simctg"),
     "uniformity": dict(method="uniformity"),
+    "uniformity_sampled": dict(method="uniformity", uniformity_sample=16),
+    "uniformity_hidden": dict(method="uniformity", uniformity_on="hidden"),
     "agg_simctg": dict(method=("agg", "simctg"), alpha=0.5, window=50),
     "frequency_metric": dict(metrics=("frequency",), metrics_every=1000),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -130,6 +131,7 @@ def test_gpu_script_smoke_mode_prints_every_table(tmp_path):
     for variant in ("plain", "fused_ones", "fused_typical", "torch_lce"):  # ours and torch's ran at both cells
         assert done.stderr.count(f"{{'{variant}': 'ok'}}") == 2, variant
     assert "| zipf1.2 |" in out and "| uniform |" in out
+    assert "host syncs per steady-state step" in out and re.search(r"\| agg \| \d+ \| 0 \| — \|", out)  # beyond the plain Trainer's: 0
 
 
 def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
