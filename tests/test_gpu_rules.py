@@ -271,3 +271,46 @@ def test_no_training_method_adds_a_host_read_to_lightnings_step(tmp_path):
     for name in LIGHTNING_METHODS:
         window = _lightning_window(tmp_path / name, TRAINING_METHODS[name])
         assert window.ours() == {} and window.per_step == plain.per_step, (name, window.per_step, window.ours())
+
+
+# --- the library's step on a fake GPU ----------------------------------------------------------------
+FAKE_STEP_METHODS = ("agg", "agg_unfused", "agg_rare_fraction", "agg_alpha_tokens", "cosreg", "hinge", "hinge_sampled",
+                     "spectrum", "lowrank", "agg_lowrank", "simctg", "uniformity", "uniformity_hidden", "frequency_metric")
+
+
+class BlocksLM(nn.Module):
+    """Embedding -> one linear block -> LM head, on `device` (the blocks for the hidden-state terms)."""
+
+    def __init__(self, device: str, dtype: torch.dtype):
+        super().__init__()
+        self.embed = nn.Embedding(V, 8, device=device, dtype=dtype)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8, device=device, dtype=dtype)])
+        self.lm_head = nn.Linear(8, V, bias=False, device=device, dtype=dtype)
+
+    def forward(self, ids):
+        return self.lm_head(torch.tanh(self.blocks[0](self.embed(ids))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FAKE_STEP_METHODS)
+def test_the_session_step_runs_on_a_fake_cuda_device(name, dtype):
+    """Set-up, the step's announcement, the micro-batch, the model's forward through the head with
+    the method on (the gated or fused head, the loss terms attached in its forward, the activation
+    terms) and the end of the step, three steps, on a model on the fake device: nothing reads back,
+    nothing of the session's meets a host tensor."""
+    once = {"spectrum_c1": 1.0} if name == "spectrum" else {}  # (without it σ₁ is read once, at the first call)
+    config = AnisoConfig(load_entry_points=False, **{"metrics": (), **TRAINING_METHODS[name], **once})
+    with fake_cuda():
+        model = BlocksLM("cuda", dtype)
+        session = TrainingSession(config)
+        session.setup(ModelHandle(model, head="lm_head", input_embedding="embed", blocks="blocks"), owns_loss=True)
+        session.begin_training()
+        for step in (1, 2, 3):
+            ids = torch.randint(0, V, (2, 6), device="cuda")
+            targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+            if session.wants_step_targets:
+                session.begin_step([targets], step=step)
+            session.begin_micro_batch(targets, step=step, loss_normalizer=(targets != -100).sum())
+            out = model(ids)
+            assert out.device.type == "cuda"
+            session.end_step(step)
