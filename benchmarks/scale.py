@@ -143,8 +143,9 @@ def make_inputs(vocab: int, tokens: int, dim: int, device: torch.device) -> Inpu
     )
 
 
-def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
-    """The scalar loss of `variant` (run inside `measure.precision`)."""
+def loss_of(variant: str, inp: Inputs, dtype: str, chunk: tuple[int, int]) -> torch.Tensor:
+    """The scalar loss of `variant` (run inside `measure.precision`); `chunk`: the fused op's tiles
+    (token rows, vocabulary ids; 0: its default)."""
     from aniso_plugins import fused_linear_cross_entropy, gated_linear
 
     x, w, y = inp.x, inp.w, inp.y
@@ -156,17 +157,17 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(1)
         tokens = torch.rand(y.shape, generator=g).to(y.device)
         classes = torch.rand(w.shape[0], generator=g).add_(0.5).to(y.device)
-        return fused_linear_cross_entropy(x, w, y, chunk_size=chunk or None, token_weights=tokens, class_weights=classes,
+        return fused_linear_cross_entropy(x, w, y, **_tiles(chunk), token_weights=tokens, class_weights=classes,
                                           z_loss=1e-4)
     if variant == "fused_softcap":
         from aniso_plugins import LogitTransform
 
-        return fused_linear_cross_entropy(x, w, y, chunk_size=chunk or None, logit_transform=LogitTransform(softcap=SOFTCAP))
+        return fused_linear_cross_entropy(x, w, y, **_tiles(chunk), logit_transform=LogitTransform(softcap=SOFTCAP))
     if variant == "gated_linear":
         return F.cross_entropy(gated_linear(x, w, y, inp.gates).float(), y)
     if variant in FUSED:
         gates = inp.ones if variant == "fused_ones" else inp.gates
-        return fused_linear_cross_entropy(x, w, y, gates, chunk_size=chunk or None)
+        return fused_linear_cross_entropy(x, w, y, gates, **_tiles(chunk))
     peer = DTYPES[dtype]
     if variant == "torch_lce":
         return F.linear_cross_entropy(x.to(peer), w.to(peer), y, options=torch.nn.LinearCrossEntropyOptions())
@@ -183,7 +184,11 @@ def loss_of(variant: str, inp: Inputs, dtype: str, chunk: int) -> torch.Tensor:
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def step(variant: str, inp: Inputs, device: torch.device, dtype: str, chunk: int) -> None:
+def _tiles(chunk: tuple[int, int]) -> dict:
+    return {"chunk_size": chunk[0] or None, "vocab_chunk_size": chunk[1] or None}
+
+
+def step(variant: str, inp: Inputs, device: torch.device, dtype: str, chunk: tuple[int, int]) -> None:
     """One forward + backward; gradients of x and W are left in .grad."""
     inp.x.grad = inp.w.grad = None
     with precision(device, dtype):
@@ -208,7 +213,7 @@ def unavailable(variant: str, device: str) -> str | None:
 
 
 # --- worker: one process, some variants at one cell ---------------------------------------------
-def _warm_up(variants: list[str], device: torch.device, dtype: str, chunk: int) -> dict[str, str]:
+def _warm_up(variants: list[str], device: torch.device, dtype: str, chunk: tuple[int, int]) -> dict[str, str]:
     """First-call costs (imports, torch.compile of the peer at dynamic shapes) at tiny sizes;
     returns the error of each variant whose warm-up failed."""
     failed: dict[str, str] = {}
@@ -235,7 +240,7 @@ def _measure_variant(v: str, inp: Inputs, args, device: torch.device, pair: bool
     """First step (peak memory, seconds; on CUDA after one untimed step at the same size, which
     absorbs Triton autotuning), then `args.rounds` rounds paired with `args.baseline`. An allocation
     failure is an "oom" result, any other error a "failed" one (a peer never stops the run)."""
-    run = lambda name: elapsed(lambda: step(name, inp, device, args.dtype, args.chunk), device)
+    run = lambda name: elapsed(lambda: step(name, inp, device, args.dtype, (args.chunk, args.vocab_chunk)), device)
     start = time.perf_counter()
     try:
         if device.type == "cuda":
@@ -268,7 +273,8 @@ def worker(args) -> None:
     device = device_of(args)
     vocab, tokens, dim = (int(s) for s in args.cell.split(","))
     variants = args.variants.split(",")
-    failed = _warm_up(sorted(set(variants) | ({args.baseline} if args.pair else set())), device, args.dtype, args.chunk)
+    failed = _warm_up(sorted(set(variants) | ({args.baseline} if args.pair else set())), device, args.dtype,
+                      (args.chunk, args.vocab_chunk))
     if device.type == "cpu":
         limit_memory(args.memory_limit_gib)
     try:
@@ -317,7 +323,8 @@ def _worker_cmd(args, cell: Cell, variants: list[str], pair: bool, rounds: int) 
     return [
         sys.executable, os.path.abspath(__file__), "--worker", "--cell", f"{cell.vocab},{cell.tokens},{cell.dim}",
         "--variants", ",".join(variants), "--dtype", cell.dtype, "--device", args.device,
-        "--threads", str(args.threads), "--chunk", str(args.chunk), "--rounds", str(rounds),
+        "--threads", str(args.threads), "--chunk", str(args.chunk), "--vocab-chunk", str(args.vocab_chunk),
+        "--rounds", str(rounds),
         "--memory-limit-gib", str(args.memory_limit_gib), "--baseline", args.baseline, *(["--pair"] if pair else []),
     ]  # fmt: skip
 
@@ -407,8 +414,10 @@ def peer_ratios(cell: Cell, fused: str, baseline: str = "plain") -> tuple[float,
     return t, a["peak"] / b["peak"] if b["peak"] else math.nan, paired  # a zero peak: below the RSS resolution
 
 
-def _chunk_text(chunk: int) -> str:
-    return f"{chunk} rows" if chunk else "default_chunk_rows(V, N) rows (N/8 within 512-1024; 512 at V=262144)"
+def _chunk_text(rows: int, ids: int) -> str:
+    if rows or ids:
+        return f"{rows or 'all'} rows × {ids or 'all'} ids"
+    return "plan_tiles(N, V, d) (≤ 4·N·d bytes: whole rows where ≥ 128 fit, else every row × a block of ids)"
 
 
 def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, float]) -> None:
@@ -416,7 +425,7 @@ def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, 
         rows = [c for c in cells if c.dtype == dtype]
         print(
             f"\n### Head + loss, forward + backward, {dtype} ({'bf16 autocast' if dtype == 'bf16' else 'float32'}), "
-            f"{args.device}, {args.threads} threads, fused chunks of {_chunk_text(args.chunk)}; GEMM rate "
+            f"{args.device}, {args.threads} threads, fused tiles of {_chunk_text(args.chunk, args.vocab_chunk)}; GEMM rate "
             f"{rates[dtype] / 1e9:.1f} Gflop/s; memory limit {args.memory_limit_gib:g} GiB per process\n"
         )
         print("Peak extra memory, GiB (× plain):\n")
@@ -619,7 +628,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default="plain,gated_linear,fused_ones,fused_typical,cce_compile")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chunk", type=int, default=0,
-                   help="token rows per chunk of the fused op (0: its default, default_chunk_rows(V, N))")
+                   help="token rows per tile of the fused op (0: its default, plan_tiles(N, V, d))")
+    p.add_argument("--vocab-chunk", type=int, default=0,
+                   help="vocabulary ids per tile of the fused op (0: its default, plan_tiles(N, V, d))")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per variant (each next to a --baseline step)")
     p.add_argument("--baseline", default="plain", choices=VARIANTS, help="the variant every timed step is paired with")
     p.add_argument("--time-flops", type=float, default=2.6e12, help="time cells with 6NVd at most this")

@@ -154,15 +154,15 @@ def test_gate_errors(kwargs, error, words):
 
 
 CASES = {
-    "few_rare": dict(rare_share=0.1),  # under SPLIT_FRACTION: a full GEMM and a correction over the rare rows
-    "mixed": dict(rare_share=0.3),  # above it: one GEMM per row group
-    "rare_majority": dict(rare_share=0.8),  # the smaller row group is the non-rare one
+    "few_rare": dict(rare_share=0.1),
+    "mixed": dict(rare_share=0.3),
+    "rare_majority": dict(rare_share=0.8),
     "all_rare": dict(rare_share=1.0),
     "no_rare_targets": dict(rare_share=0.0),
     "no_rare_ids": dict(rare_ids=()),
     "3d": dict(shape=(4, 12)),
-    "many_rows": dict(n=1200, rare_share=0.45),  # several chunks of each row group
-    "many_rows_few_rare": dict(n=3000, rare_share=0.12),  # several correction chunks
+    "many_rows": dict(n=1200, rare_share=0.45),  # two blocks of rows in gated_linear's backward (1024 + 176)
+    "many_rows_few_rare": dict(n=3000, rare_share=0.12),  # three blocks, the last one partial
 }
 
 
@@ -170,15 +170,13 @@ CASES = {
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gated_linear_equals_three_logit_reference(case, dtype, tol, with_bias):
-    from aniso_plugins.methods.fused_loss.linear import SPLIT_FRACTION
-
     h, W, b, y, a = make_case(dtype=dtype, **CASES[case])
     gates = agg_gates(a, 0.3)
     rare_rows = float(((y != IGN) & gates.rare[y.clamp_min(0)]).float().mean())
     if case.endswith("few_rare"):
-        assert rare_rows < SPLIT_FRACTION
+        assert rare_rows < 0.2
     elif case in ("mixed", "many_rows"):
-        assert SPLIT_FRACTION < rare_rows < 0.5
+        assert 0.2 < rare_rows < 0.5
     h.requires_grad_(True)
     W.requires_grad_(True)
     b = b.requires_grad_(True) if with_bias else None
@@ -338,7 +336,7 @@ def test_gated_linear_input_errors():
     gates = agg_gates(a, 0.3)
     with pytest.raises(ValueError, match="targets of shape"):
         gated_linear(h, W, y[:-1], gates)
-    with pytest.raises(ValueError, match=r"\[0, 19\)"):
+    with pytest.raises(RuntimeError, match=r"targets must be in \[0, 19\)"):  # checked on the device
         gated_linear(h, W, torch.full_like(y, 19), gates)
     with pytest.raises(ValueError, match="gates are for 3 ids"):
         gated_linear(h, W, y, agg_gates(torch.ones(3), 0.1))
@@ -526,12 +524,13 @@ def test_bf16_staged_fused_loss_and_input_gradient_match_float64(smoothing):
     assert rel_err(dh.double(), ref_dh) < 1e-2
 
 
-@pytest.mark.parametrize("path", ["one_gemm", "blocked"])
+@pytest.mark.parametrize("path", ["one_gemm", "device_rows", "blocked"])
 @pytest.mark.parametrize("scaled", [False, True])
 def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(path, scaled):
-    """`addmm_in_`'s two bf16 paths (one GEMM into a V × d buffer off the CPU; blocks of
-    `UPCAST_ROWS` rows on the CPU), both run here: out += diag(s) · round_bf16(A B), against
-    float64 of the bf16 operands, rounded once. 1100 rows: two full blocks and a partial one."""
+    """`addmm_in_`'s bf16 paths (off the CPU one GEMM into a buffer, or blocks of rows of at most
+    `PRODUCT_BYTES`; blocks of `UPCAST_ROWS` rows on the CPU), all run here: out += diag(s) ·
+    round_bf16(A B), against float64 of the bf16 operands, rounded once. 1100 rows: two full blocks
+    and a partial one."""
     g = torch.Generator().manual_seed(0)
     v, n, d = 1100, 96, 48
     a, b = torch.randn(v, n, generator=g).bfloat16(), torch.randn(n, d, generator=g).bfloat16()
@@ -542,6 +541,8 @@ def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(
     out = out0.clone()
     if path == "one_gemm":
         gemm_ops._add_rounded_product_(out, a, b, torch.empty(v, d, dtype=torch.bfloat16), scale)
+    elif path == "device_rows":
+        gemm_ops._add_rounded_product_in_rows_(out, a, b, scale, 512)
     else:
         assert v > 2 * gemm_ops.UPCAST_ROWS
         gemm_ops._add_rounded_product_blocked_(out, a, b, scale)
@@ -778,9 +779,10 @@ def test_plugin_warns_when_the_trainer_step_is_ahead_of_the_counter(caplog):
     assert "step 40" in caplog.text and "counter at step 1" in caplog.text
 
 
-def test_torch_compile_skips_the_value_checks_and_keeps_the_gated_gradient():
-    """Under torch.compile the targets' range check (which reads the data) is skipped: 2 graph
-    breaks around the gated function instead of 6, and the same values and gradients."""
+def test_torch_compile_keeps_the_value_checks_on_the_device_and_the_gated_gradient():
+    """Under torch.compile the targets' range check runs on the device (torch._assert_async): no
+    graph break around the gated function (before: 2, the check reading the data), the same values
+    and gradients, and a target out of range still raises."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -791,13 +793,17 @@ def test_torch_compile_skips_the_value_checks_and_keeps_the_gated_gradient():
     y[0, 0] = -100
     gates = agg_gates(torch.bincount(y[y >= 0], minlength=64).float(), alpha=1.5)
 
-    def loss(w):
+    def loss(w, y):
         return gated_linear(h, w, y, gates).square().sum()
 
-    compiled = torch.compile(loss)(w)
-    (grad,) = torch.autograd.grad(compiled, w)
-    eager = loss(w)
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = compiled(w, y)
+    (grad,) = torch.autograd.grad(got, w)
+    eager = loss(w, y)
     (ref,) = torch.autograd.grad(eager, w)
-    assert sum(counters["graph_break"].values()) <= 2
-    torch.testing.assert_close(compiled, eager)
+    assert sum(counters["graph_break"].values()) == 0
+    torch.testing.assert_close(got, eager)
     torch.testing.assert_close(grad, ref)
+    with pytest.raises(RuntimeError, match=r"targets must be in \[0, 64\)"):
+        compiled(w, torch.full_like(y, 64))
+    torch._dynamo.reset()

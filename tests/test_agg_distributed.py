@@ -74,6 +74,7 @@ def _worker(rank, world, modes):
         for t, step in enumerate(batches, start=1):
             for p in model.parameters():
                 p.grad = None
+            plugins.step_targets([tgt for _, tgt in step], StepInfo(step=t, accumulation_steps=len(step)))
             for m, (ids, tgt) in enumerate(step):
                 plugins.targets(tgt, StepInfo(step=t, micro_batch=m, accumulation_steps=len(step)))
                 g = plugins.get("agg").last_gates
@@ -96,17 +97,18 @@ def test_two_ranks_identical_gates_and_reference_gradients():
     per_rank = [r["batches"] for r in results]
     assert not torch.equal(per_rank[0][0][0][1], per_rank[1][0][0][1])  # the ranks see different targets
 
-    # single-process reference: one dense counter fed with both ranks' micro-batch m at once
+    # single-process reference: one dense counter fed with the whole step (both ranks' micro-batches)
+    # before its first micro-batch; every micro-batch of the step gated by the step's gates
     ring = DenseRing(VOCAB, WINDOW)
     ref_gates_list, rare_rows = [], 0
     models = {True: _model(), False: _model(tied=False)}
     ref_grads = {True: [], False: []}
     for t in range(1, 6):
         step_grads = {k: [[torch.zeros_like(p) for p in m.parameters()] for _ in results] for k, m in models.items()}
+        a = ring.criterion_call(torch.cat([per_rank[r][t - 1][m][1].reshape(-1) for r in range(2) for m in range(2)]), t)
+        g1, g2, rare = ref_gates(a, ALPHA, min(t, WINDOW))
+        gates = RowGates(g1.float(), g2.float(), rare)
         for m in range(2):
-            a = ring.criterion_call(torch.cat([per_rank[r][t - 1][m][1].reshape(-1) for r in range(2)]), t)
-            g1, g2, rare = ref_gates(a, ALPHA, min(t, WINDOW))
-            gates = RowGates(g1.float(), g2.float(), rare)
             ref_gates_list.append(gates)
             for r in range(2):
                 ids, tgt = per_rank[r][t - 1][m]

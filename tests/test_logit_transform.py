@@ -48,17 +48,19 @@ def _reference(transform: LogitTransform, smoothing: float, gated: bool):
     return (loss, *torch.autograd.grad(loss, (h, w, b), allow_unused=True))
 
 
+@pytest.mark.parametrize("tiles", [dict(chunk_size=7), dict(vocab_chunk_size=8), dict(chunk_size=7, vocab_chunk_size=8)],
+                         ids=["rows", "vocabulary_blocks", "both"])
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "agg"])
-def test_fused_loss_through_a_logit_transform_equals_float64(name, smoothing, gated):
+def test_fused_loss_through_a_logit_transform_equals_float64(name, smoothing, gated, tiles):
     transform = TRANSFORMS[name]
     loss, dh, dw, db = _reference(transform, smoothing, gated)
     h, w, b, y, appearance = _data()
     h, w, b = (t.clone().requires_grad_() for t in (h, w, b))
     gates = agg_gates(appearance, 0.3) if gated else None
-    got = fused_linear_cross_entropy(h, w, y, gates, bias=None if gated else b, label_smoothing=smoothing, chunk_size=7,
-                                     logit_transform=transform)  # fmt: skip
+    got = fused_linear_cross_entropy(h, w, y, gates, bias=None if gated else b, label_smoothing=smoothing,
+                                     logit_transform=transform, **tiles)  # fmt: skip
     torch.testing.assert_close(got, loss, rtol=1e-12, atol=1e-14)
     grads = torch.autograd.grad(got, (h, w) if gated else (h, w, b))
     for ours, want in zip(grads, (dh, dw) if gated else (dh, dw, db)):
@@ -101,7 +103,7 @@ def test_bf16_autocast_on_the_cpu_stage(name):
         torch.testing.assert_close(ours.double(), want, rtol=5e-2, atol=5e-3)
 
 
-def _shard_worker(rank: int, world: int, name: str, gated: bool) -> dict:
+def _shard_worker(rank: int, world: int, name: str, gated: bool, tiles: dict) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from aniso_plugins.numerics.distributed import VocabShard
@@ -114,19 +116,20 @@ def _shard_worker(rank: int, world: int, name: str, gated: bool) -> dict:
     b_local = b[shard.start : shard.stop].clone().requires_grad_()
     gates = agg_gates(appearance, 0.3) if gated else None
     loss = fused_linear_cross_entropy(h, w_local, y, gates, bias=None if gated else b_local, label_smoothing=0.1,
-                                      chunk_size=7, shard=shard, logit_transform=TRANSFORMS[name])  # fmt: skip
+                                      shard=shard, logit_transform=TRANSFORMS[name], **tiles)  # fmt: skip
     grads = torch.autograd.grad(loss, (h, w_local) if gated else (h, w_local, b_local))
     return {"loss": loss.detach(), "grads": [g.detach() for g in grads], "rows": (shard.start, shard.stop)}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tiles", [dict(chunk_size=7), dict(vocab_chunk_size=6)], ids=["rows", "vocabulary_blocks"])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "agg"])
-def test_vocabulary_parallel_shard_through_a_soft_cap(gated):
+def test_vocabulary_parallel_shard_through_a_soft_cap(gated, tiles):
     """Each of 2 ranks holds a vocabulary shard: the loss equals the whole vocabulary's on both,
     the shards' dW rows stacked and db equal the reference, their dX summed equals it."""
     name = "softcap_scaled"
     loss, dh, dw, db = _reference(TRANSFORMS[name], 0.1, gated)
-    results = run_distributed(_shard_worker, name, gated, world=2)
+    results = run_distributed(_shard_worker, name, gated, tiles, world=2)
     for r in results:
         torch.testing.assert_close(r["loss"], loss.detach(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(sum(r["grads"][0] for r in results), dh, rtol=1e-10, atol=1e-13)

@@ -54,7 +54,7 @@ def _reference(smoothing: float, gated: bool, bias: bool):
     return float(loss.detach()), dh, dw, db
 
 
-def _shard_worker(rank: int, world: int, smoothing: float, gated: bool, op: str, dtype: str) -> dict:
+def _shard_worker(rank: int, world: int, smoothing: float, gated: bool, op: str, dtype: str, tiles: dict) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -72,8 +72,8 @@ def _shard_worker(rank: int, world: int, smoothing: float, gated: bool, op: str,
     bias = None if gated else b_local
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
         if op == "fused":
-            loss = fused_linear_cross_entropy(h, w_local, y, gates, bias=bias, label_smoothing=smoothing, chunk_size=7,
-                                              shard=shard)
+            loss = fused_linear_cross_entropy(h, w_local, y, gates, bias=bias, label_smoothing=smoothing, shard=shard,
+                                              **tiles)
         else:  # torchtitan's own vocabulary-parallel cross-entropy of the shard's gated logits
             from torchtitan.components.loss import _LossParallelCrossEntropy
 
@@ -87,20 +87,26 @@ def _shard_worker(rank: int, world: int, smoothing: float, gated: bool, op: str,
             "db": None if b_local.grad is None else b_local.grad.double(), "rows": (shard.start, shard.stop)}
 
 
-CASES = [  # (smoothing, gated, op, dtype, world)
-    (0.0, False, "fused", "fp32", 2),
-    (0.1, False, "fused", "fp32", 2),
-    (0.0, True, "fused", "fp32", 2),
-    (0.1, True, "fused", "fp32", 3),
-    (0.0, True, "gated_linear", "fp32", 2),
-    (0.0, True, "fused", "bf16", 2),
+ROWS, BLOCKS, BOTH = dict(chunk_size=7), dict(vocab_chunk_size=5), dict(chunk_size=7, vocab_chunk_size=4)
+CASES = [  # (smoothing, gated, op, dtype, world, tiles); BLOCKS: 19 ids = 5 + 5 + 5 + 4 on rank 0, 18 = 5 + 5 + 5 + 3
+    (0.0, False, "fused", "fp32", 2, ROWS),
+    (0.1, False, "fused", "fp32", 2, ROWS),
+    (0.0, True, "fused", "fp32", 2, ROWS),
+    (0.1, True, "fused", "fp32", 3, ROWS),
+    (0.0, True, "gated_linear", "fp32", 2, ROWS),
+    (0.0, True, "fused", "bf16", 2, ROWS),
+    (0.1, False, "fused", "fp32", 2, BLOCKS),
+    (0.1, True, "fused", "fp32", 2, BOTH),
+    (0.0, True, "fused", "fp32", 3, BLOCKS),
+    (0.0, True, "fused", "bf16", 2, BLOCKS),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("smoothing,gated,op,dtype,world", CASES)
-def test_a_vocabulary_shard_per_rank_gives_the_whole_vocabularys_loss_and_gradients(smoothing, gated, op, dtype, world):
-    results = run_distributed(_shard_worker, smoothing, gated, op, dtype, world=world)
+@pytest.mark.parametrize("smoothing,gated,op,dtype,world,tiles", CASES)
+def test_a_vocabulary_shard_per_rank_gives_the_whole_vocabularys_loss_and_gradients(smoothing, gated, op, dtype, world,
+                                                                                    tiles):
+    results = run_distributed(_shard_worker, smoothing, gated, op, dtype, tiles, world=world)
     loss, dh, dw, db = _reference(smoothing, gated, bias=not gated)
     tol = 2e-2 if dtype == "bf16" else 1e-5
     assert [r["rows"] for r in results] == _chunks(world)

@@ -1,337 +1,275 @@
-"""Fused, chunked linear + cross-entropy, `fused_linear_cross_entropy` (optionally label-smoothed
-and with row-gated weight gradient, e.g. AGG's): never the full N×V logits.
+"""Fused linear + cross-entropy, `fused_linear_cross_entropy` (optionally label-smoothed, weighted,
+z-loss, through a logit transform, and with a row-gated weight gradient, e.g. AGG's): never the
+full N×V logits.
 
-The approach of Liger-Kernel's fused linear cross-entropy (docs/performance.md §1.1): the forward
-walks over chunks of token rows, computes a chunk of logits, its loss and its logit gradient
-G_c = (softmax − onehot)/D, projects it at once (dX_c = G_c W, dW += G_cᵀ X_c) and keeps only dX,
-dW, db for the backward, which scales them by the incoming scalar gradient. Two passes touch the
-chunk: one row-local softmax kernel, and the copy to the GEMM dtype under autocast; the loss is
-−log p_{i,y_i}, and the 1/D goes on the (rows, d) and V-sized results, not on the chunk.
-The gates Γ of `RowGates` (AGG's) cost no N×V pass: rows are ordered so that the larger row group
-(non-rare or rare targets) comes first; its chunks accumulate unscaled, then dW is scaled once
-by that group's gate vector, the smaller group's chunks are multiplied in place by theirs, and
-target entries are corrected at the end with one index_add (docs/performance.md §3.2, §6.1).
-Ignored rows (``ignore_index``) are skipped: they have no loss and no gradient. Label smoothing ε
-(as transformers' ``LabelSmoother``) adds ε·mean_k(−log p_ik) to each row's (1 − ε)·CE: in the
-same pass, one more row sum of the logits chunk.
+The loss and its gradients are computed in the forward over tiles of the logits (`passes`: row
+chunks that hold the whole vocabulary, or every row × a block of ids with a second logits GEMM),
+and the backward scales them by the incoming gradient (``reduction="none"``: the backward runs the
+passes again with the incoming per-position gradient as token weights). By default
+(`plan_tiles`) a tile takes at most the bytes of the hidden states in float32, so the peak extra
+memory is dW (V × d, at least float32) + dX + about N·d logits: the floor of PyTorch's
+``F.linear_cross_entropy`` (docs/performance.md §11). ``chunk_size=1024`` (whole rows of 1024
+tokens) takes one logits GEMM fewer where the default takes vocabulary blocks, for 1024·V logits
+of memory.
+
+Under ``torch.compile`` both run as `torch.library` custom ops (``aniso::fused_linear_cross_entropy``
+and ``aniso::fused_linear_cross_entropy_rows``) with fake implementations and autograd formulas, so
+``fullgraph=True`` keeps them whole; eagerly the same code runs op by op in an autograd Function
+(visible to dispatch modes). Nothing in them, nor in the checks around them, reads a value back
+to the host (the target range is checked on the device).
 
 Vocabulary parallel (``shard``, tensor parallelism with loss parallel): `weight` and `bias` hold
 the ids ``[shard.start, shard.stop)`` of ``shard.total``, and every rank of ``shard.group`` calls
-the op with the same hidden states and global targets (and row gates). Each chunk's logits are
-the shard's only; their row maxima, then their sums of exp, target logits and logit sums are
-all-reduced over the group (two all-reduces of a few values per row per chunk), so the loss,
-identical on every rank, is the whole vocabulary's; dW and db are the shard's rows and dX is the
-shard's part ``G_shard W_shard``, which the ranks sum (torchtitan's sharding of the head's input
-does). Per rank: one chunk of ``chunk_size × V/tp`` logits and dW of ``V/tp × d``, never V × d.
+the op with the same hidden states and global targets (and row gates). Each row chunk's
+statistics are all-reduced over the group (the log-sum-exp: MAX then SUM; target logits and
+logit sums: SUM), so the loss, identical on every rank, is the whole vocabulary's; dW and db are
+the shard's rows and dX is the shard's part ``G_shard W_shard``, which the ranks sum
+(torchtitan's sharding of the head's input does).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
-import torch.nn.functional as F
 
-from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
+from aniso_plugins.methods.fused_loss.gemm import check_inputs, compute_dtypes, index_targets
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
-from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
-from aniso_plugins.methods.fused_loss.workspace import PLAIN, RowTerms, VocabParallelWorkspace, Workspace, staged_logits
+from aniso_plugins.methods.fused_loss.passes import PassOptions, Plan, Shard, fused_pass, plan_tiles
+from aniso_plugins.methods.fused_loss.row_gates import RowGates
+from aniso_plugins.methods.fused_loss.workspace import RowTerms, block_bytes
 from aniso_plugins.numerics.distributed import VocabShard
-from aniso_plugins.numerics.linalg import ROW_BLOCK
 
-__all__ = ["default_chunk_rows", "fused_linear_cross_entropy"]
+__all__ = ["fused_linear_cross_entropy"]
 
-CHUNK_LOGITS_BYTES = 512 * 2**20
-"""Budget of one float32 logits chunk when ``chunk_size`` is None (`default_chunk_rows`)."""
-MIN_CHUNK_ROWS = 256
-"""Fewest default rows per chunk: smaller GEMMs and a dW pass per chunk are slow (docs/performance.md §1.1)."""
+_T = torch.Tensor
 
 
-def default_chunk_rows(vocab: int, tokens: int, logit_bytes: int = 4) -> int:
-    """Token rows per chunk when ``chunk_size`` is None: the rows whose logits (`logit_bytes`
-    each: 4 for float32, 2 for the bf16 logits of a CPU autocast step, whose float32 stage is a
-    few rows) take 1/8 of the bytes of the batch's float32 logits (N/8 rows in float32, N/4 in
-    bf16), at least 512 and at most ``ROW_BLOCK`` (1024); fewer where those rows would exceed
-    `CHUNK_LOGITS_BYTES` (float32 V > 131072): 512 at V = 262144, 256 at V = 524288, never fewer
-    than `MIN_CHUNK_ROWS`: smaller chunks cost more of the step, larger ones more memory (the
-    measurements behind these bounds: docs/performance.md §7.3). The peak is then dW + dX + at
-    most 512 MiB of logits up to V = 524288."""
-    by_batch = min(ROW_BLOCK, max(ROW_BLOCK // 2, tokens * 4 // (8 * logit_bytes)))
-    return max(MIN_CHUNK_ROWS, min(by_batch, CHUNK_LOGITS_BYTES // (logit_bytes * vocab)))
+def _row_terms(targets: _T, ignore_index: int, token: _T | None, classes: _T | None, scale: _T, smoothing: float,
+               z_loss: float, vocab: int, acc: torch.dtype) -> RowTerms:
+    """The `RowTerms` of the flat `targets`: ω_i = [y_i ≠ ignore]·t_i·scale, c_{y_i}, C."""
+    valid = targets != ignore_index
+    weight = valid.to(acc) * scale.to(acc)
+    if token is not None:
+        weight = weight * token.to(acc)
+    if classes is None:
+        return RowTerms(weight, None, None, float(vocab), smoothing, vocab, z_loss)
+    c = classes.to(acc)
+    return RowTerms(weight, c[torch.where(valid, targets, 0)], c, c.sum(), smoothing, vocab, z_loss)
 
 
-def _row_order(y: torch.Tensor, valid: torch.Tensor, gates, acc: torch.dtype, shard: VocabShard | None):
-    """The valid rows in chunk order and where the second group starts: ungated, all valid rows
-    (split = their count); gated, first the rows of the larger group (gate ``base``), then those
-    of the smaller one (`row_gating`'s ``in_other``), so each chunk has one gate pattern. The
-    order depends on the global targets only: every shard of a vocabulary chunks alike."""
-    if gates is None:
-        rows = valid.nonzero().squeeze(1)
-        return rows, rows.numel(), None
-    rg = row_gating(gates, y, valid, acc, shard)
-    first = (valid & ~rg.in_other).nonzero().squeeze(1)
-    second = (valid & rg.in_other).nonzero().squeeze(1)
-    return torch.cat([first, second]), first.numel(), rg
+def _kernel(hidden: _T, weight: _T, bias: _T | None, targets: _T, g1: _T | None, g2: _T | None, rare: _T | None,
+            g_target: _T | None, token: _T | None, classes: _T | None, scale: _T, ignore_index: int,
+            smoothing: float, z_loss: float, transform: list[float], plan: list[int], compute: torch.dtype,
+            shard: list[int] | None, group: str | None, wants: list[bool]):
+    """The passes (`fused_pass`) of one call: (row losses, z-loss parts or None, dX, dW, db)."""
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    t = None if not transform else LogitTransform(transform[0], transform[1] if len(transform) > 1 else None)
+    part = None if shard is None else Shard(*shard, _process_group(group))
+    vocab = weight.shape[0] if shard is None else shard[2]
+    terms = _row_terms(targets.reshape(-1), ignore_index, token, classes, scale, smoothing, z_loss, vocab, acc)
+    gates = None if g1 is None else RowGates(g1, g2, rare, g_target)
+    options = PassOptions(compute, acc, t, part, Plan(*plan), tuple(wants))
+    losses, z_parts, dx, dw, db = fused_pass(hidden, weight, bias, targets, terms, gates, options)
+    dw = None if dw is None else dw.to(weight.dtype)
+    db = None if db is None else db.to(bias.dtype)
+    return losses, z_parts, dx, dw, db
 
 
-def _add_target_rows(dw: torch.Tensor, coef: torch.Tensor, X: torch.Tensor, rows: torch.Tensor,
-                     ys: torch.Tensor, chunk_size: int) -> None:
-    """dW[y_i] += coef_i · x_i over the ordered rows, chunk by chunk (the gated target-row
-    correction: row y_i of the gradient keeps its own gate)."""
-    for s in range(0, rows.numel(), chunk_size):
-        dw.index_add_(0, ys[s : s + chunk_size], coef[s : s + chunk_size, None] * X[rows[s : s + chunk_size]].to(dw.dtype))
+def _process_group(name: str | None):
+    if name is None:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
-def _is_one(scale: float | torch.Tensor) -> bool:
-    return isinstance(scale, float) and scale == 1.0
+def _or_empty(t: _T | None, like: _T) -> _T:
+    return like.new_empty(0) if t is None else t
 
 
-def _scaled(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """``t · scale``, skipping the multiply when the scale is the number 1."""
-    return t if _is_one(scale) else t * scale
+def _sum_outputs(hidden: _T, weight: _T, *args) -> tuple[_T, _T, _T, _T, _T]:
+    """Σ of the row losses and of their z-loss parts, and (dX, dW, db) (empty where not wanted):
+    the outputs of ``reduction="mean" | "sum"`` (the last argument, backward_twice, unused here)."""
+    losses, z_parts, dx, dw, db = _kernel(hidden, weight, *args[:-1])
+    z_sum = torch.zeros((), dtype=losses.dtype, device=losses.device) if z_parts is None else z_parts.sum()
+    return losses.sum(), z_sum, _or_empty(dx, hidden), _or_empty(dw, weight), _or_empty(db, weight)
 
 
-def _row_losses(p_target: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, ys: torch.Tensor, w: torch.Tensor,
-                b: torch.Tensor | None, compute: torch.dtype, chunk_size: int,
-                transform: LogitTransform | None = None) -> torch.Tensor:
-    """Each row's −log p_{i,y_i} = logsumexp(z'_i) − z'_{i,y_i} from its target probability; rows
-    whose probability is below the dtype's smallest normal number (a loss above ≈ 87 nats in
-    float32, where −log p loses precision or is infinite) get it from their logits z' (after
-    `transform`), recomputed (rare: one small GEMM for those rows only)."""
-    nll = p_target.log().neg_()
-    low = (p_target < torch.finfo(p_target.dtype).tiny).nonzero().squeeze(1)
-    for s in range(0, low.numel(), chunk_size):
-        at = low[s : s + chunk_size]
-        z = F.linear(X[rows[at]].to(compute), w, b).to(p_target.dtype)
-        z = z if transform is None else transform(z)
-        nll[at] = torch.logsumexp(z, 1) - z.gather(1, ys[at, None]).squeeze(1)
-    return nll
+@torch.library.custom_op("aniso::fused_linear_cross_entropy", mutates_args=())
+def _fused_sum(hidden: _T, weight: _T, bias: _T | None, targets: _T, g1: _T | None, g2: _T | None, rare: _T | None,
+               g_target: _T | None, token: _T | None, classes: _T | None, scale: _T, ignore_index: int,
+               smoothing: float, z_loss: float, transform: list[float], plan: list[int], compute: torch.dtype,
+               shard: list[int] | None, group: str | None, wants: list[bool],
+               backward_twice: bool) -> tuple[_T, _T, _T, _T, _T]:
+    """`_sum_outputs` as one op for ``torch.compile``."""
+    return _sum_outputs(hidden, weight, bias, targets, g1, g2, rare, g_target, token, classes, scale, ignore_index,
+                        smoothing, z_loss, transform, plan, compute, shard, group, wants, backward_twice)
 
 
-
-class _Options(NamedTuple):
-    """One call's settings, as `fused_linear_cross_entropy` checked them."""
-
-    ignore_index: int
-    scale: float | torch.Tensor
-    chunk_size: int
-    smoothing: float
-    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
-    shard: VocabShard | None
-    transform: LogitTransform | None
-    token_weights: torch.Tensor | None  # flat (N,)
-    class_weights: torch.Tensor | None  # (V,)
-    z_loss: float
-
-    def terms(self, rows: torch.Tensor, ys: torch.Tensor, acc: torch.dtype) -> RowTerms:
-        """The `RowTerms` of the ordered `rows` (targets `ys`)."""
-        if self.token_weights is None and self.class_weights is None and not self.z_loss:
-            return PLAIN
-        t = None if self.token_weights is None else self.token_weights[rows].to(acc)
-        c = None if self.class_weights is None else self.class_weights.to(acc)
-        return RowTerms(t, None if c is None else c[ys], c, 0.0 if c is None else float(c.sum()), float(self.z_loss))
+@_fused_sum.register_fake
+def _(hidden, weight, bias, targets, g1, g2, rare, g_target, token, classes, scale, ignore_index, smoothing, z_loss,
+      transform, plan, compute, shard, group, wants, backward_twice):
+    acc = torch.promote_types(weight.dtype, torch.float32)
+    loss = hidden.new_empty((), dtype=acc)
+    dx = hidden.new_empty(hidden.shape if wants[0] else (0,))
+    dw = weight.new_empty(weight.shape if wants[1] else (0,))
+    db = weight.new_empty(0) if not wants[2] or bias is None else bias.new_empty(bias.shape)
+    return loss, torch.empty_like(loss), dx, dw, db
 
 
-class _Pass(NamedTuple):
-    """What one pass over the chunks computed: the ordered valid `rows`, their `losses`
-    t_i·[a_i·(−log p_{i,y_i}) + s_i + λ·lse_i²] (before the 1/D), their z-loss parts t_i·λ·lse_i²
-    (None without z-loss), and the gradients (dX, dW, db), already times the 1/D (None: not wanted)."""
-
-    rows: torch.Tensor
-    losses: torch.Tensor
-    z_losses: torch.Tensor | None
-    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+def _setup_sum(ctx, inputs, output) -> None:
+    ctx.grads = output[2:]
+    ctx.wants, ctx.backward_twice, ctx.scaled_by = inputs[19], inputs[20], None
+    ctx.set_materialize_grads(False)
 
 
-def _fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                gates: RowGates | None, o: _Options, wants: tuple[bool, bool, bool]) -> _Pass:
-    """The row losses and, where `wants` says, the gradients of the fused loss: one pass over the
-    chunks of valid rows (the module docstring), outside autocast (the dtypes are `o.dtypes`)."""
-    compute, acc, _ = o.dtypes
-    v, d = weight.shape
-    want_dx, want_dw, want_db = wants
-    with torch.autocast(hidden.device.type, enabled=False):
-        X = hidden.reshape(-1, d)
-        y = targets.reshape(-1)
-        rows, split, rg = _row_order(y, y != o.ignore_index, gates, acc, o.shard)
-        n = rows.numel()
-        ys = y[rows]
-        terms = o.terms(rows, ys, acc)
-        w = weight.to(compute)
-        b = None if bias is None else bias.to(compute)
-        dx, dw, db = (torch.zeros(shape, dtype=dtype, device=X.device) if want else None for want, shape, dtype in
-                      ((want_dx, X.shape, hidden.dtype), (want_dw, (v, d), acc), (want_db, (v,), acc)))
-        tv, row, smooth, z_rows = (torch.empty(n, dtype=acc, device=X.device) if want else None for want in
-                                   (gates is not None and want_dw, True, bool(o.smoothing), bool(o.z_loss)))
-        chunks = [(s, min(s + o.chunk_size, split)) for s in range(0, split, o.chunk_size)]
-        chunks += [(s, min(s + o.chunk_size, n)) for s in range(split, n, o.chunk_size)]
-        shape = (max((e - s for s, e in chunks), default=0), v, d, compute, acc, X.device, want_dw)
-        space = Workspace(*shape) if o.shard is None else VocabParallelWorkspace(*shape, o.shard)
-        gated = None if gates is None else (_scaled(rg.base, o.scale), _scaled(rg.other, o.scale))
-        base_scaled = gated is None
-        for s, e in chunks:
-            if want_dw and not base_scaled and s >= split:
-                dw.mul_(gated[0][:, None])
-                base_scaled = True
-            xc = X[rows[s:e]].to(compute)  # the chunk's rows only: no (N, d) copy of X
-            # D·G_c, the chunk's logit gradient before the 1/D: that goes on the (rows, d) and
-            # V-sized results, not on the chunk
-            zc = space.gradient(space.logits_of(xc, w, b), ys[s:e, None], o.smoothing, row[s:e],
-                                _part(tv, s, e), db, _part(smooth, s, e), o.transform, terms.chunk(s, e), _part(z_rows, s, e))
-            if want_dx:
-                dx[rows[s:e]] = _scaled(torch.mm(zc, w).to(hidden.dtype), o.scale)
-            if want_dw:
-                _add_chunk_weight_gradient(dw, zc, xc, compute, acc, space.product,
-                                           gated[1] if gated is not None and s >= split else None)
-        space = zc = None  # free the chunk buffers before the row losses
-        nll = row if o.shard is not None else _row_losses(row, X, rows, ys, w, b, compute, o.chunk_size, o.transform)
-        losses, z_losses = _combine_row_losses(nll, smooth, z_rows, terms, o.smoothing, v)
-        if want_dw and gates is not None:
-            if not base_scaled:
-                dw.mul_(gated[0][:, None])
-            _add_target_rows(dw, _scaled(rg.target_fix[rows] * tv, o.scale), X, rows, rg.target_index[rows], o.chunk_size)
-        elif want_dw and not _is_one(o.scale):
-            dw.mul_(o.scale)
-    return _Pass(rows, losses, z_losses, (dx if dx is None else dx.reshape(hidden.shape), dw, _scaled_or_none(db, o.scale)))
+def _backward_sum(ctx, grad, *_):
+    """The gradients computed in the forward, scaled by `grad` in place. Handed over once (no
+    reference kept, so autograd takes them without a copy), or with ``backward_twice`` kept for a
+    second backward with the same `grad` (zero-bubble pipeline schedules run one for the inputs'
+    and one for the weights' gradients)."""
+    none = [None] * 21
+    if grad is None:
+        return tuple(none)
+    grads = ctx.grads
+    if grads is None:
+        raise RuntimeError(
+            "fused_linear_cross_entropy: backward can run once per forward (the gradients are computed in "
+            "forward); pass backward_twice=True for a schedule that runs it twice"
+        )
+    if ctx.scaled_by is None:
+        grads = tuple(g.mul_(grad.to(g.dtype)) if want else g for g, want in zip(grads, ctx.wants))
+        ctx.scaled_by = grad.detach().clone()
+    else:
+        torch._assert_async((grad.detach() == ctx.scaled_by).all(), "fused_linear_cross_entropy: a second backward "
+                            "with another output gradient than the first; the gradients are computed in forward and "
+                            "scaled once")
+    ctx.grads = grads if ctx.backward_twice else None
+    none[:3] = (g if want else None for g, want in zip(grads, ctx.wants))
+    return tuple(none)
 
 
-def _part(t: torch.Tensor | None, s: int, e: int) -> torch.Tensor | None:
-    return None if t is None else t[s:e]
+_fused_sum.register_autograd(_backward_sum, setup_context=_setup_sum)
 
 
-def _scaled_or_none(t: torch.Tensor | None, scale: float | torch.Tensor) -> torch.Tensor | None:
-    return None if t is None else _scaled(t, scale)
+def _rows_outputs(hidden: _T, weight: _T, bias: _T | None, targets: _T, *args) -> tuple[_T, _T]:
+    """Each position's loss and z-loss part (0 where ignored), in the last argument's dtype, the
+    targets' shape: the outputs of ``reduction="none"``."""
+    losses, z_parts, *_ = _kernel(hidden, weight, bias, targets, *args[:-1], [False, False, False])
+    z_parts = torch.zeros_like(losses) if z_parts is None else z_parts
+    return losses.to(args[-1]).reshape(targets.shape), z_parts.to(args[-1]).reshape(targets.shape)
 
 
-def _add_chunk_weight_gradient(dw: torch.Tensor, zc: torch.Tensor, xc: torch.Tensor, compute: torch.dtype,
-                               acc: torch.dtype, product: torch.Tensor | None, gate: torch.Tensor | None) -> None:
-    """dW += (G_c ⊙ gate)ᵀ X_c, the gate (the smaller row group's, or None) on the float32 chunk
-    itself or, in bf16, on the rounded product (`addmm_in_`)."""
-    if gate is not None and zc.dtype == acc:
-        zc.mul_(gate)
-        gate = None
-    addmm_in_(dw, zc.T, xc, compute, product, gate)
+@torch.library.custom_op("aniso::fused_linear_cross_entropy_rows", mutates_args=())
+def _fused_rows(hidden: _T, weight: _T, bias: _T | None, targets: _T, g1: _T | None, g2: _T | None, rare: _T | None,
+                g_target: _T | None, token: _T | None, classes: _T | None, scale: _T, ignore_index: int,
+                smoothing: float, z_loss: float, transform: list[float], plan: list[int],
+                compute: torch.dtype, shard: list[int] | None, group: str | None, out_dtype: torch.dtype) -> tuple[_T, _T]:
+    """`_rows_outputs` as one op for ``torch.compile``."""
+    return _rows_outputs(hidden, weight, bias, targets, g1, g2, rare, g_target, token, classes, scale, ignore_index,
+                         smoothing, z_loss, transform, plan, compute, shard, group, out_dtype)
 
 
-def _combine_row_losses(nll: torch.Tensor, smooth: torch.Tensor | None, z_rows: torch.Tensor | None, terms: RowTerms,
-                        smoothing: float, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's loss t_i·[a_i·nll_i + s_i + λ·lse_i²] and its z-loss part t_i·λ·lse_i² (`RowTerms`)."""
-    a = terms.probability_factor(smoothing, vocab)
-    losses = nll if isinstance(a, float) and a == 1.0 else nll * a
-    for part in (smooth, z_rows):
-        if part is not None:
-            losses = losses + part
-    if terms.token is not None:
-        losses = losses * terms.token
-        z_rows = None if z_rows is None else z_rows * terms.token
-    return losses, z_rows
+@_fused_rows.register_fake
+def _(hidden, weight, bias, targets, g1, g2, rare, g_target, token, classes, scale, ignore_index, smoothing, z_loss,
+      transform, plan, compute, shard, group, out_dtype):
+    out = hidden.new_empty(targets.shape, dtype=out_dtype)
+    return out, torch.empty_like(out)
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """The scalar losses (mean / sum): the gradients computed in the forward pass."""
+def _setup_rows(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*(t for t in inputs[:11]))
+    ctx.rest = inputs[11:19]
+    ctx.set_materialize_grads(False)
+
+
+def _backward_rows(ctx, grad, _z, run=None):
+    """The passes again, with the incoming per-position gradient times the token weights as the
+    token weights (one more logits GEMM per tile, as PyTorch's own chunked op does for 'none');
+    `run`: the sum's outputs (its op by default)."""
+    none = [None] * 20
+    if grad is None:
+        return tuple(none)
+    saved = list(ctx.saved_tensors)
+    upstream = grad.reshape(-1)
+    saved[8] = upstream if saved[8] is None else upstream * saved[8]
+    wants = [bool(w) for w in ctx.needs_input_grad[:3]]
+    _, _, dx, dw, db = (run or torch.ops.aniso.fused_linear_cross_entropy)(*saved, *ctx.rest, wants, False)
+    none[:3] = (g if want else None for g, want in zip((dx, dw, db), wants))
+    return tuple(none)
+
+
+_fused_rows.register_autograd(_backward_rows, setup_context=_setup_rows)
+
+
+class _EagerSum(torch.autograd.Function):
+    """The sum's op run eagerly (every aten op visible to dispatch modes): same outputs, same backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, gates, options, grad_enabled, backward_twice):
-        wants = tuple(grad_enabled and need for need in ctx.needs_input_grad[:3])
-        done = _fused_pass(hidden, weight, bias, targets, gates, options, wants)
-        dx, dw, db = done.grads
-        ctx.grads = (dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype))
-        ctx.scaled_by, ctx.backward_twice = None, backward_twice
-        z_loss = torch.zeros((), dtype=done.losses.dtype) if done.z_losses is None else done.z_losses.sum() * options.scale
-        ctx.mark_non_differentiable(z_loss)
-        return done.losses.sum() * options.scale, z_loss
+    def forward(ctx, *args):
+        out = _sum_outputs(*args)
+        ctx.mark_non_differentiable(*out[1:])
+        _setup_sum(ctx, args, out)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, _z_grad):
-        """The gradients computed in forward, scaled by `grad` in place. Handed over once (no
-        reference kept, so autograd takes them without a copy), or with ``backward_twice`` kept
-        for a second backward through the retained graph with the same `grad` (zero-bubble
-        pipeline schedules run one for the inputs' and one for the weights' gradients)."""
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError(
-                "fused_linear_cross_entropy: backward can run once per forward (the gradients are computed in "
-                "forward); pass backward_twice=True for a schedule that runs it twice"
-            )
-        if ctx.scaled_by is None:
-            grads = tuple(None if g is None else g.mul_(grad.to(g.dtype)) for g in grads)
-            ctx.scaled_by = grad.detach().clone()
-        elif not torch.equal(grad.detach(), ctx.scaled_by):
-            raise RuntimeError(
-                "fused_linear_cross_entropy: a second backward with another output gradient than the first "
-                f"({float(grad)} after {float(ctx.scaled_by)}); the gradients are computed in forward and scaled once"
-            )
-        ctx.grads = grads if ctx.backward_twice else None
-        return (*grads, None, None, None, None, None)
+    def backward(ctx, *grads):
+        return _backward_sum(ctx, *grads)
 
 
-class _PerTokenLinearCrossEntropy(torch.autograd.Function):
-    """``reduction="none"``: each position's loss (0 where ignored); the backward pass runs the
-    chunks again with the incoming per-position gradient as token weights (one more logits GEMM
-    per chunk, as PyTorch's own chunked op does for 'none')."""
+class _EagerRows(torch.autograd.Function):
+    """The per-position op run eagerly; its backward runs `_sum_outputs` directly."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, gates, options):
-        done = _fused_pass(hidden, weight, bias, targets, gates, options, (False, False, False))
-        out = torch.zeros(targets.numel(), dtype=options.dtypes[2], device=hidden.device)
-        out[done.rows] = done.losses.to(out.dtype)
-        z = torch.zeros_like(out)
-        if done.z_losses is not None:
-            z[done.rows] = done.z_losses.to(z.dtype)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.gates, ctx.options = gates, options
-        z = z.reshape(targets.shape)
-        ctx.mark_non_differentiable(z)
-        return out.reshape(targets.shape), z
+    def forward(ctx, *args):
+        out = _rows_outputs(*args)
+        ctx.mark_non_differentiable(out[1])
+        _setup_rows(ctx, args, out)
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad, _z_grad):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        o = ctx.options
-        upstream = grad.reshape(-1)
-        token = upstream if o.token_weights is None else upstream * o.token_weights
-        done = _fused_pass(hidden, weight, bias, targets, ctx.gates, o._replace(token_weights=token), ctx.needs_input_grad[:3])
-        dx, dw, db = done.grads
-        return dx, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype), None, None, None
+    def backward(ctx, grad, z_grad):
+        return _backward_rows(ctx, grad, z_grad, _sum_outputs)
 
 
-def _loss_scale(targets: torch.Tensor, ignore_index: int, reduction: str, normalizer,
-                class_weights: torch.Tensor | None) -> float | torch.Tensor:
-    """1 / D of `fused_linear_cross_entropy`'s loss (1 for ``reduction="none"``)."""
+def _loss_scale(targets: _T, ignore_index: int, reduction: str, normalizer, class_weights: _T | None,
+                acc: torch.dtype) -> _T:
+    """1 / D of `fused_linear_cross_entropy`'s loss (1 for ``reduction="none"``), a 0-dim tensor on
+    the targets' device, computed there (no host read)."""
     if normalizer is not None and reduction != "sum":
         raise ValueError(f"normalizer: only used with reduction='sum' (reduction={reduction!r})")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r}: expected 'mean', 'sum' or 'none'")
+    one = torch.ones((), dtype=acc, device=targets.device)
     if reduction == "mean":
         valid = targets != ignore_index
         if class_weights is None:
-            return 1.0 / max(int(valid.sum()), 1)
-        total = class_weights[torch.where(valid, targets, 0)][valid].sum()  # Σ c_{y_i}, as F.cross_entropy
-        return 1.0 / float(total) if float(total) != 0 else 1.0
-    if reduction in ("sum", "none"):
-        return 1.0 if normalizer is None else 1.0 / normalizer
-    raise ValueError(f"reduction={reduction!r}: expected 'mean', 'sum' or 'none'")
+            return one / valid.sum().clamp_min(1).to(acc)
+        total = (class_weights.to(acc)[torch.where(valid, targets, 0)] * valid).sum()  # Σ c_{y_i}, as F.cross_entropy
+        return torch.where(total != 0, one / total, one)
+    if normalizer is None:
+        return one
+    return one / torch.as_tensor(normalizer).to(targets.device, acc)
 
 
-def _chunk_rows(chunk_size: int | None, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], shard: VocabShard | None, label_smoothing: float) -> int:
-    """The rows per chunk (`default_chunk_rows` when None), after checking it and `label_smoothing`."""
+def _checked(chunk_size: int | None, vocab_chunk_size: int | None, label_smoothing: float, z_loss: float) -> None:
+    """The scalar options' checks, with the value and the fix."""
+    where = "fused_linear_cross_entropy"
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r}: expected a number in [0, 1)")
-    if chunk_size is None:
-        staged = shard is None and staged_logits(hidden.device, dtypes[0], dtypes[1])
-        return default_chunk_rows(weight.shape[0], targets.numel(), dtypes[0].itemsize if staged else 4)
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size!r}: expected an integer >= 1 (token rows per chunk) or None (the default)")
-    return chunk_size
-
-
-def _checked_weights(token_weights: torch.Tensor | None, class_weights: torch.Tensor | None, z_loss: float,
-                     targets: torch.Tensor, vocab: int, shard: VocabShard | None, device: torch.device):
-    """`token_weights` flattened and `class_weights` on `device`, detached, after the checks."""
-    where = "fused_linear_cross_entropy"
+    for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r}: expected an integer >= 1 "
+                             f"({'token rows' if name == 'chunk_size' else 'vocabulary ids'} per tile) or None (the default)")
     if isinstance(z_loss, bool) or not isinstance(z_loss, (int, float)) or not z_loss >= 0.0 or z_loss == float("inf"):
         raise ValueError(f"{where}: z_loss={z_loss!r}: expected a finite number >= 0 (PaLM uses 1e-4)")
+
+
+def _checked_weights(token_weights: _T | None, class_weights: _T | None, z_loss: float, targets: _T, vocab: int,
+                     shard: VocabShard | None, device: torch.device):
+    """`token_weights` flattened and `class_weights` on `device`, detached, after the checks."""
+    where = "fused_linear_cross_entropy"
     if shard is not None and (token_weights is not None or class_weights is not None or z_loss):
         raise ValueError(f"{where}: token_weights, class_weights and z_loss are not supported with a vocabulary "
                          "shard (tensor-parallel loss); leave them unset there")
@@ -355,6 +293,7 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     normalizer: float | torch.Tensor | None = None,
     chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
     label_smoothing: float = 0.0,
     token_weights: torch.Tensor | None = None,
     class_weights: torch.Tensor | None = None,
@@ -364,7 +303,7 @@ def fused_linear_cross_entropy(
     backward_twice: bool = False,
     logit_transform: LogitTransform | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and chunked.
+    """Cross-entropy of ``F.linear(hidden, weight, bias)`` against `targets`, fused and tiled.
 
         loss = Σ_{i: y_i ≠ ignore} t_i·[(1 − ε) c_{y_i}(lse_i − z_{i,y_i}) + (ε/V) Σ_k c_k (lse_i − z_ik) + λ·lse_i²] / D,
         z_i = T(W h_i + b),   lse_i = logsumexp(z_i),
@@ -376,31 +315,63 @@ def fused_linear_cross_entropy(
     (PaLM's auxiliary loss, 1e-4 there). D: ``reduction="mean"`` the non-ignored targets' Σ c_{y_i}
     (their number without class weights; 0 loss and gradients when there is none; token weights
     do not change D), ``"sum"`` `normalizer` (1 if None; torchtitan's ``global_valid_tokens``),
-    ``"none"`` 1: each position's loss, 0 where ignored (its backward runs the chunks again).
+    ``"none"`` 1: each position's loss, 0 where ignored (its backward runs the passes again).
     `return_z_loss`: also return the z-loss part (detached, for logging; already in the loss).
     Gradients: for `hidden` and `bias` those of the loss; for `weight` the gated
     ``(G ⊙ Γ)ᵀ X`` of `row_gates` (AGG's: docs/methods.md §1.5), as `aniso_plugins.gated_linear`, or
     the plain one when `row_gates` is None.
 
-    Peak extra memory: one logits chunk (`chunk_size` × V; None: `default_chunk_rows`) beyond the
-    gradients dW (V × d, at least float32) and dX; never N × V. The gradients of a mean or sum are
-    computed in the forward (skipped when grad mode is off), so the backward may run once;
-    `backward_twice`: a second one (retained graph) gets them again. Under autocast the three GEMMs
-    take autocast-dtype operands, as autograd's; softmax, loss and dW are float32 (docs/performance.md
-    §7.3). `weight`: the full (V, d) tensor, or with `shard` a vocabulary shard (module docstring)."""
+    Tiles: `chunk_size` token rows × `vocab_chunk_size` ids of logits at a time (None: all); both
+    None, `plan_tiles` (the module docstring). The gradients of a mean or sum are computed in the
+    forward (skipped when grad mode is off), so the backward may run once; `backward_twice`: a
+    second one (retained graph) gets them again. Under autocast the GEMMs take autocast-dtype
+    operands, as autograd's; softmax, loss and dW are float32. `weight`: the full (V, d) tensor,
+    or with `shard` a vocabulary shard (module docstring)."""
     check_inputs(hidden, weight, targets, row_gates, ignore_index, "fused_linear_cross_entropy", shard)
-    dtypes = compute_dtypes(hidden, weight)
-    chunk_size = _chunk_rows(chunk_size, hidden, weight, targets, dtypes, shard, label_smoothing)
+    compute, acc, logits_dtype = compute_dtypes(hidden, weight)
+    _checked(chunk_size, vocab_chunk_size, label_smoothing, z_loss)
     token, classes = _checked_weights(token_weights, class_weights, z_loss, targets, weight.shape[0], shard, hidden.device)
     targets = index_targets(targets, hidden.device)
-    scale = _loss_scale(targets, ignore_index, reduction, normalizer, classes)
-    transform = None if logit_transform is None or logit_transform.identity else logit_transform
-    options = _Options(ignore_index, scale, chunk_size, float(label_smoothing), dtypes, shard, transform, token, classes,
-                       float(z_loss))
-    gates = None if row_gates is None else row_gates.to(weight.device)
+    scale = _loss_scale(targets, ignore_index, reduction, normalizer, classes, acc)
+    plan = list(plan_tiles(targets.numel(), weight.shape[0], weight.shape[1], chunk_size, vocab_chunk_size,
+                           compute.itemsize, block_bytes(hidden.device)))
+    args = (hidden, weight, bias, targets, *_gate_tensors(row_gates, weight.device), token, classes, scale, ignore_index,
+            float(label_smoothing), float(z_loss), _transform_values(logit_transform), plan, compute, *_shard_values(shard))
+    loss, z_part = _run(args, reduction, logits_dtype, backward_twice)
+    return (loss, z_part.detach()) if return_z_loss else loss
+
+
+def _run(args: tuple, reduction: str, logits_dtype: torch.dtype, backward_twice: bool) -> tuple[_T, _T]:
+    """The loss and its z-loss part: the custom ops under ``torch.compile``, eagerly the same code
+    op by op (`_EagerSum`, `_EagerRows`)."""
+    compiling = torch.compiler.is_compiling()
     if reduction == "none":
-        loss, z_part = _PerTokenLinearCrossEntropy.apply(hidden, weight, bias, targets, gates, options)
-    else:
-        loss, z_part = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, gates, options,
-                                                      torch.is_grad_enabled(), backward_twice)
-    return (loss, z_part) if return_z_loss else loss
+        run = torch.ops.aniso.fused_linear_cross_entropy_rows if compiling else _EagerRows.apply
+        return run(*args, logits_dtype)
+    hidden, weight, bias = args[:3]
+    grad = torch.is_grad_enabled()
+    wants = [grad and hidden.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad]
+    run = torch.ops.aniso.fused_linear_cross_entropy if compiling else _EagerSum.apply
+    loss, z_part, *_ = run(*args, wants, backward_twice)
+    return loss, z_part
+
+
+def _gate_tensors(gates: RowGates | None, device: torch.device) -> tuple:
+    if gates is None:
+        return None, None, None, None
+    gates = gates.to(device)
+    return gates.g1, gates.g2, gates.rare, gates.g_target
+
+
+def _transform_values(transform: LogitTransform | None) -> list[float]:
+    """The op's form of a logit transform: [] (none), [scale] or [scale, softcap]."""
+    if transform is None or transform.identity:
+        return []
+    return [float(transform.scale)] + ([] if transform.softcap is None else [float(transform.softcap)])
+
+
+def _shard_values(shard: VocabShard | None) -> tuple[list[int] | None, str | None]:
+    """The op's form of a vocabulary shard: its bounds and its group's name."""
+    if shard is None:
+        return None, None
+    return [shard.start, shard.stop, shard.total], None if shard.group is None else shard.group.group_name

@@ -9,7 +9,7 @@ import torch
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.numerics.distributed import VocabShard
 
-__all__ = ["UPCAST_ROWS", "addmm_in_", "check_inputs", "compute_dtypes"]
+__all__ = ["PRODUCT_BYTES", "UPCAST_ROWS", "addmm_in_", "check_inputs", "compute_dtypes", "index_targets"]
 
 
 def _check_weight(weight: torch.Tensor, where: str) -> None:
@@ -34,7 +34,9 @@ def check_inputs(
     shard: VocabShard | None = None,
 ) -> None:
     """Shape, dtype and range checks shared by `gated_linear` and `fused_linear_cross_entropy`;
-    with `shard`, `weight` holds the rows ``[start, stop)`` of a vocabulary of ``total`` ids."""
+    with `shard`, `weight` holds the rows ``[start, stop)`` of a vocabulary of ``total`` ids. The
+    targets' range is checked on their device (``torch._assert_async``: a RuntimeError on the CPU,
+    a device-side assert on CUDA), never read back to the host."""
     _check_weight(weight, where)
     rows, d = weight.shape
     v = rows if shard is None else shard.total
@@ -51,14 +53,9 @@ def check_inputs(
         raise TypeError(f"{where}: targets must be integer token ids, got {targets.dtype}")
     if gates is not None and gates.vocab_size != v:
         raise ValueError(f"{where}: gates are for {gates.vocab_size} ids, the vocabulary has {v}")
-    if torch.compiler.is_compiling():  # the value check reads the data: a graph break under torch.compile
-        return
-    flat = targets[targets != ignore_index]
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= v):
-        raise ValueError(
-            f"{where}: targets must be in [0, {v}) or equal ignore_index={ignore_index}; "
-            f"got values in [{int(flat.min())}, {int(flat.max())}]"
-        )
+    if targets.numel():  # on the device: no value is read back (docs/performance.md, "What the GPU pays")
+        ok = ((targets >= 0) & (targets < v)) | (targets == ignore_index)
+        torch._assert_async(ok.all(), f"{where}: targets must be in [0, {v}) or equal ignore_index={ignore_index}")
 
 
 def index_targets(targets: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -85,6 +82,9 @@ def compute_dtypes(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.dt
 UPCAST_ROWS = 512
 """Rows of `out` per block of `addmm_in_`'s CPU path (0.75 + 1.5 MiB of buffers at d = 768; the
 block size was chosen by measurement: docs/performance.md §7.3)."""
+PRODUCT_BYTES = 64 * 2**20
+"""Bytes of one block of `addmm_in_`'s rounded product off the CPU (a V × d product of bf16 would be
+1 GB at V = 128256, d = 4096)."""
 
 
 def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype,
@@ -99,8 +99,9 @@ def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torc
     `row_scale`: ``out += diag(row_scale) · (a @ b)`` (only where `compute` differs from out's
     dtype: the scale applies to the float32 product, after its one rounding).
 
-    Off the CPU the product is one GEMM into `product` (a buffer of out's shape in `compute`,
-    reused across calls, or None) and one mixed-dtype add. On the CPU it is computed in blocks of
+    Off the CPU the product is one GEMM into `product` (a buffer of out's shape in `compute`, or
+    None) and one mixed-dtype add, per block of rows of `out` whose product takes at most
+    `PRODUCT_BYTES` (the whole `out` at once when `product` is given). On the CPU it is computed in blocks of
     `UPCAST_ROWS` rows of `out`, each rounded, converted into a small float32 buffer and added:
     no `out`-sized product (at V = 32768, d = 2048: 128 MiB less), and no mixed-dtype ``add_`` of
     the whole product, which converts through a full-size temporary and is much slower on the
@@ -111,8 +112,19 @@ def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torc
         out.addmm_(a.to(compute), b.to(compute))
     elif out.device.type == "cpu":
         _add_rounded_product_blocked_(out, a.to(compute), b.to(compute), row_scale)
-    else:
+    elif product is not None:
         _add_rounded_product_(out, a.to(compute), b.to(compute), product, row_scale)
+    else:
+        a, b = a.to(compute), b.to(compute)
+        _add_rounded_product_in_rows_(out, a, b, row_scale, max(1, PRODUCT_BYTES // (b.shape[1] * b.element_size())))
+
+
+def _add_rounded_product_in_rows_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tensor | None,
+                                  rows: int) -> None:
+    """`addmm_in_` off the CPU: `_add_rounded_product_` for `rows` rows of `out` at a time."""
+    for i in range(0, out.shape[0], rows):
+        scale = None if row_scale is None else row_scale[i : i + rows]
+        _add_rounded_product_(out[i : i + rows], a[i : i + rows], b, None, scale)
 
 
 def _add_rounded_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, product: torch.Tensor | None,

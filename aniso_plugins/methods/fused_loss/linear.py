@@ -10,11 +10,11 @@ docs/performance.md §3.2) the gradients are
     ∂L/∂W   = (G ⊙ Γ)ᵀ X,   G = ∂L/∂z (plain),   Γ from `RowGates`.
 
 `gated_linear` computes that with one logits GEMM: its forward is ``F.linear`` and its backward
-applies Γ to the weight gradient only, without any N×V tensor beyond the incoming gradient:
-``dW = diag(g_base)·GᵀX + Σ_{i∈S} ((g_other − g_base) ⊙ G_i) x_iᵀ + target-entry corrections``,
-where the base gate is that of the larger row group and S the smaller group (usually the few
-rare-target rows). `aniso_plugins.methods.fused_loss.head.TrainingHead` installs it in place as a
-head module's forward.
+applies Γ to the weight gradient only: dX = G W and db = Σ_i G_i as autograd's, and
+dW = Σ_blocks (G_block ⊙ Γ_block)ᵀ X_block over blocks of rows, Γ formed elementwise
+(`gate_block_`: no row selected by a mask, no value read back to the host). The blocks' GEMMs
+are one custom op (``aniso::gated_weight_grad``), so ``torch.compile`` keeps the backward whole.
+`aniso_plugins.methods.fused_loss.head.TrainingHead` installs it in place as a head module's forward.
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
-from aniso_plugins.methods.fused_loss.row_gates import RowGates, row_gating
+from aniso_plugins.methods.fused_loss.row_gates import RowGates, gate_block_, row_flags
 from aniso_plugins.numerics.distributed import VocabShard
+from aniso_plugins.numerics.linalg import ROW_BLOCK
 
-__all__ = ["SPLIT_FRACTION", "gated_linear"]
+__all__ = ["gated_linear"]
 
-#: Rows of a row group gathered per GEMM in `gated_linear`'s backward.
-_GROUP_CHUNK = 256
-#: Above this fraction of rows in the smaller row group, `gated_linear`'s backward runs one GEMM per
-#: group instead of a full GEMM plus a correction over the group (docs/performance.md §3.2).
-SPLIT_FRACTION = 0.2
+GROUP_BYTES = 64 * 2**20
+"""Bytes of the float32 gated copy of one block of G's rows in `gated_linear`'s backward (between
+`MIN_GROUP_ROWS` and 1024 rows): its dW GEMM is one read-modify-write of dW per block."""
+MIN_GROUP_ROWS = 256
 
 
 class _GatedLinear(torch.autograd.Function):
@@ -45,78 +45,66 @@ class _GatedLinear(torch.autograd.Function):
             logits = F.linear(x, w, None if bias is None else bias.to(compute))
             logits = logits.to(out)
         ctx.save_for_backward(x, w, targets, g1, g2, rare, g_target)
-        ctx.meta = (ignore_index, dtypes, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, shard)
+        ctx.meta = (ignore_index, compute, acc, hidden.dtype, weight.dtype, None if bias is None else bias.dtype, shard)
         return logits
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, w, targets, g1, g2, rare, g_target = ctx.saved_tensors
-        ignore_index, (compute, acc, _), hidden_dtype, weight_dtype, bias_dtype, shard = ctx.meta
+        ignore_index, compute, acc, hidden_dtype, weight_dtype, bias_dtype, shard = ctx.meta
         v, d = w.shape
         G = grad.reshape(-1, v)
-        X = x.reshape(-1, d)
         dx = dw = db = None
         with torch.autocast(x.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
                 dx = (G.to(compute) @ w).reshape(x.shape).to(hidden_dtype)
             if ctx.needs_input_grad[1]:
-                gates = RowGates(g1, g2, rare, g_target)
-                dw = _gated_weight_grad(G, X, targets.reshape(-1), gates, ignore_index, compute, acc, shard)
-                dw = dw.to(weight_dtype)
+                run = torch.ops.aniso.gated_weight_grad if torch.compiler.is_compiling() else _gated_weight_grad_blocks
+                dw = run(G, x.reshape(-1, d), targets.reshape(-1), g1, g2, rare, g_target, ignore_index, compute, acc,
+                         shard).to(weight_dtype)
             if ctx.needs_input_grad[2]:
                 db = G.sum(0, dtype=acc).to(bias_dtype)
         return dx, dw, db, None, None, None, None, None, None, None, None
 
 
-def _gated_weight_grad(
-    G: torch.Tensor,
-    X: torch.Tensor,
-    y: torch.Tensor,
-    gates: RowGates,
-    ignore_index: int,
-    compute: torch.dtype,
-    acc: torch.dtype,
-    shard: VocabShard | None = None,
-) -> torch.Tensor:
-    """(G ⊙ Γ)ᵀ X accumulated in `acc` (the rows of `shard` of it: G holds their columns), its GEMMs on `compute` operands (`addmm_in_`), without
-    forming G ⊙ Γ (see the module docstring). Up to `SPLIT_FRACTION` of the rows in the smaller
-    group S: diag(base)·GᵀX plus a correction GEMM over S; above it (up to half the rows, where
-    the correction would cost half a GEMM more) the two groups' GEMMs over their own rows,
-    diag(base)·G_¬SᵀX_¬S + diag(other)·G_SᵀX_S: the FLOPs of one GEMM, for a second V × d buffer
-    and the rows gathered `_GROUP_CHUNK` at a time."""
-    valid = y != ignore_index
-    rg = row_gating(gates, y, valid, acc, shard)
-    rows = rg.in_other.nonzero().squeeze(1)
+def _gated_weight_grad_blocks(G: torch.Tensor, X: torch.Tensor, y: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor,
+                              rare: torch.Tensor, g_target: torch.Tensor | None, ignore_index: int, compute: torch.dtype,
+                              acc: torch.dtype, shard: list[int] | None) -> torch.Tensor:
+    """(G ⊙ Γ)ᵀ X accumulated in at least float32 (the rows ``[start, stop)`` of a vocabulary
+    shard: G holds their columns), GEMMs on `compute` operands (`addmm_in_`), over blocks of rows
+    whose gated copy takes `GROUP_BYTES`."""
     v, d = G.shape[1], X.shape[1]
+    start = 0 if shard is None else shard[0]
+    valid = y != ignore_index
+    safe = torch.where(valid, y, 0)
+    flags = row_flags(RowGates(g1, g2, rare, g_target), safe, valid, acc)
+    local = safe - start
+    owned = valid & (local >= 0) & (local < v)
+    local = local.clamp(0, max(v - 1, 0))
+    gate1, gate2 = g1.to(acc)[start : start + v], g2.to(acc)[start : start + v]
     dw = torch.zeros(v, d, dtype=acc, device=G.device)
-    if rows.numel() <= SPLIT_FRACTION * G.shape[0]:
-        addmm_in_(dw, G.T, X, compute)
-        dw.mul_(rg.base[:, None])
-        diff = rg.other - rg.base
-        for s in range(0, rows.numel(), _GROUP_CHUNK):
-            r = rows[s : s + _GROUP_CHUNK]
-            addmm_in_(dw, (G[r].to(acc) * diff).T, X[r], compute)
-    else:
-        _add_rows_product(dw, G, X, (~rg.in_other).nonzero().squeeze(1), compute)
-        dw.mul_(rg.base[:, None])
-        other = torch.zeros_like(dw)
-        _add_rows_product(other, G, X, rows, compute)
-        dw.addcmul_(other, rg.other[:, None])
-        del other
-    fixed = rg.target_fix.nonzero().squeeze(1)
-    if fixed.numel():
-        yf = rg.target_index[fixed]
-        coef = rg.target_fix[fixed] * G[fixed, yf].to(acc)
-        dw.index_add_(0, yf, coef[:, None] * X[fixed].to(acc))
+    step = min(ROW_BLOCK, max(MIN_GROUP_ROWS, GROUP_BYTES // (4 * max(v, 1))))
+    for s in range(0, G.shape[0], step):
+        block = G[s : s + step].to(acc, copy=True)
+        k = slice(s, s + block.shape[0])
+        targets = block.gather(1, local[k, None]).squeeze(1) * flags.target_gate[k]
+        gate_block_(block, flags.rare[k], gate1, gate2, local[k], owned[k], targets)
+        addmm_in_(dw, block.T, X[k], compute)
     return dw
 
 
-def _add_rows_product(out: torch.Tensor, G: torch.Tensor, X: torch.Tensor, rows: torch.Tensor, compute: torch.dtype) -> None:
-    """``out += G[rows]ᵀ X[rows]``, `_GROUP_CHUNK` gathered rows per GEMM."""
-    for s in range(0, rows.numel(), _GROUP_CHUNK):
-        r = rows[s : s + _GROUP_CHUNK]
-        addmm_in_(out, G[r].T, X[r], compute)
+@torch.library.custom_op("aniso::gated_weight_grad", mutates_args=())
+def _gated_weight_grad(G: torch.Tensor, X: torch.Tensor, y: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor,
+                       rare: torch.Tensor, g_target: torch.Tensor | None, ignore_index: int, compute: torch.dtype,
+                       acc: torch.dtype, shard: list[int] | None) -> torch.Tensor:
+    """`_gated_weight_grad_blocks` as one op for ``torch.compile`` (eagerly it runs op by op)."""
+    return _gated_weight_grad_blocks(G, X, y, g1, g2, rare, g_target, ignore_index, compute, acc, shard)
+
+
+@_gated_weight_grad.register_fake
+def _(G, X, y, g1, g2, rare, g_target, ignore_index, compute, acc, shard):
+    return G.new_empty((G.shape[1], X.shape[1]), dtype=acc)
 
 
 def gated_linear(
@@ -152,6 +140,7 @@ def gated_linear(
     dtypes = compute_dtypes(hidden, weight)
     gates = row_gates.to(weight.device)
     targets = index_targets(targets, hidden.device)
+    bounds = None if shard is None else [shard.start, shard.stop, shard.total]
     return _GatedLinear.apply(
-        hidden, weight, bias, targets, gates.g1, gates.g2, gates.rare, gates.g_target, ignore_index, dtypes, shard
+        hidden, weight, bias, targets, gates.g1, gates.g2, gates.rare, gates.g_target, ignore_index, dtypes, bounds
     )

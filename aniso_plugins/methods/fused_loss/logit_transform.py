@@ -44,19 +44,21 @@ class LogitTransform:
             return z * self.scale
         return torch.tanh(z * (self.scale / self.softcap)) * self.softcap
 
-    def apply_(self, z: torch.Tensor) -> torch.Tensor | None:
-        """Replace `z` by z' in place; return dz'/dz (a new tensor of `z`'s shape), or None when
-        it is the constant `scale`."""
+    def apply_(self, z: torch.Tensor) -> torch.Tensor:
+        """Replace `z` by z' in place (returns `z`)."""
         if self.softcap is None:
-            z.mul_(self.scale)
+            return z.mul_(self.scale)
+        return z.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap)
+
+    def derivative(self, transformed: torch.Tensor) -> torch.Tensor | None:
+        """dz'/dz from z' itself (a new tensor): s·(1 − (z'/c)²), since z'/c = tanh(s·z/c); None
+        when it is the constant `scale`."""
+        if self.softcap is None:
             return None
-        z.mul_(self.scale / self.softcap).tanh_()
-        derivative = torch.square(z).neg_().add_(1.0).mul_(self.scale)  # s · (1 − tanh²)
-        z.mul_(self.softcap)
-        return derivative
+        return torch.square(transformed * (1.0 / self.softcap)).neg_().add_(1.0).mul_(self.scale)
 
     def chain_(self, grad: torch.Tensor, derivative: torch.Tensor | None) -> torch.Tensor:
-        """``grad ⊙ dz'/dz`` in place (`derivative` from `apply_`)."""
+        """``grad ⊙ dz'/dz`` in place (`derivative` from `derivative`)."""
         return grad.mul_(self.scale) if derivative is None else grad.mul_(derivative)
 
 

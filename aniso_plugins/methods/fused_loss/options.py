@@ -21,9 +21,10 @@ class FusedLossOptions(Options):
     with an info line saying why. True: also without AGG; an error where it cannot be exact.
     False: never (AGG then runs as the gated head)."""
     fused_chunk_size: int | None = None
-    """Token rows per chunk of the fused loss; None: an eighth of the micro-batch's tokens within
-    512-1024 rows, fewer where a chunk's float32 logits would exceed 512 MiB
-    (`aniso_plugins.methods.fused_loss.cross_entropy.default_chunk_rows`)."""
+    """Token rows per tile of the fused loss (each tile holds the whole vocabulary of its rows);
+    None: tiles of at most the hidden states' bytes in float32, PyTorch's ``F.linear_cross_entropy``
+    floor (`aniso_plugins.methods.fused_loss.passes.plan_tiles`: whole rows where 128 or more fit,
+    else vocabulary blocks with one more logits GEMM). 1024: the 0.1 default's speed and memory."""
 
     def validate(self) -> None:
         if self.fused_loss not in (None, True, False):

@@ -1,10 +1,11 @@
 """Row-grouped gates of an LM head's weight gradient: what `gated_linear` and
 `fused_linear_cross_entropy` multiply the logit gradient by before it reaches W (docs/methods.md §1.5).
 
-    ∂L/∂W = (G ⊙ Γ)ᵀ X,   Γ_ik = g1_k if y_i ∉ V_r,  g2_k if y_i ∈ V_r,   Γ_{i,y_i} = g_target[y_i],
+    ∂L/∂W = (G ⊙ Γ)ᵀ X,   Γ_ik = g1_k + r_i·(g2_k − g1_k),   Γ_{i,y_i} = g_target[y_i],
 
-computed as a base-scaled GEMM plus corrections over the smaller row group (`RowGating`), never
-forming G ⊙ Γ.
+r_i = 1 where row i's target is rare (0 on ignored rows). Γ is applied elementwise to each block of
+G before its weight-gradient GEMM (`gate_block_`): no row is selected by a mask, so nothing reads a
+value back to the host (docs/performance.md, "What the GPU pays").
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from aniso_plugins.numerics.distributed import VocabShard
+__all__ = ["GATE_BLOCK_BYTES", "RowFlags", "RowGates", "gate_block_", "row_flags"]
 
-__all__ = ["RowGates", "RowGating", "row_gating"]
+GATE_BLOCK_BYTES = 4 * 2**20
+"""Bytes of the float32 Γ temporary per row block of `gate_block_` (it stays in cache)."""
 
 
 @dataclass(frozen=True)
@@ -62,42 +64,41 @@ class RowGates:
         return RowGates(self.g1.to(device), self.g2.to(device), self.rare.to(device), target)
 
 
-class RowGating(NamedTuple):
-    """How Γ acts on N rows, for a weight gradient computed as base-scaled GEMM + corrections.
+class RowFlags(NamedTuple):
+    """How Γ acts on N rows: `rare` (N,) 1.0 where the row's target is rare (0 on ignored rows),
+    `target_gate` (N,) the factor wanted at entry (i, y_i), g_target[y_i] or 1; both float."""
 
-    base / other: gate vectors of the larger / smaller row group over the weight's rows (g1
-    for non-rare-target rows, which include ignored rows, g2 for rare-target rows; the ids
-    ``[start, stop)`` of a vocabulary shard); in_other: (N,) bool, rows of the smaller group
-    (decided by the global targets, the same on every shard); target_fix: (N,) factor to add at
-    entry (i, y_i) so that its gate becomes g_target[y_i] (1 by default) instead of the row's
-    group gate (0 on ignored rows and where y_i is not in this shard); target_index: (N,) the
-    weight row of y_i (y_i − start; 0 where target_fix is 0)."""
-
-    base: torch.Tensor
-    other: torch.Tensor
-    in_other: torch.Tensor
-    target_fix: torch.Tensor
-    target_index: torch.Tensor
+    rare: torch.Tensor
+    target_gate: torch.Tensor
 
 
-def row_gating(gates: RowGates, targets: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype,
-               shard: VocabShard | None = None) -> RowGating:
-    """`RowGating` for flat global `targets` (N,) with `valid` = targets != ignore_index, for
-    the weight rows of `shard` (None: all V)."""
-    safe = torch.where(valid, targets, 0)
-    rare_row = valid & gates.rare[safe]
-    n = targets.numel()
-    if 2 * int(rare_row.sum()) <= n:
-        base, other, in_other = gates.g1, gates.g2, rare_row
-    else:
-        base, other, in_other = gates.g2, gates.g1, ~rare_row
-    base, other = base.to(dtype), other.to(dtype)
-    applied = torch.where(in_other, other[safe], base[safe])
-    wanted = torch.ones_like(applied) if gates.g_target is None else gates.g_target.to(dtype)[safe]
-    fix = torch.where(valid, wanted - applied, 0.0)
-    if shard is None:
-        return RowGating(base, other, in_other, fix, safe)
-    owned = shard.owned(safe)
-    index = torch.where(owned, safe - shard.start, 0)
-    fix = torch.where(owned, fix, 0.0)
-    return RowGating(base[shard.start : shard.stop], other[shard.start : shard.stop], in_other, fix, index)
+def row_flags(gates: RowGates, safe_targets: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> RowFlags:
+    """`RowFlags` of flat global targets (`safe_targets`: ignored rows replaced by id 0, `valid`
+    the non-ignored rows), elementwise: no data-dependent shape."""
+    rare = (gates.rare[safe_targets] & valid).to(dtype)
+    wanted = torch.ones_like(rare) if gates.g_target is None else gates.g_target.to(dtype)[safe_targets]
+    return RowFlags(rare, wanted)
+
+
+def gate_block_(block: torch.Tensor, rare: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, local: torch.Tensor,
+                owned: torch.Tensor, target_values: torch.Tensor, block_bytes: int = GATE_BLOCK_BYTES,
+                row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``block ⊙ Γ`` in place, for a block of logit-gradient rows and columns: Γ_ik = g1_k +
+    rare_i·(g2_k − g1_k) (`g1`, `g2`: the block's columns), times `row_scale`_i where given, then
+    the target entry (i, local_i) of each row that owns its target set to `target_values` (the
+    ungated entry times its wanted gate and row scale). Γ is formed `block_bytes` at a time
+    (float32), so no block-sized temporary."""
+    rows, cols = block.shape
+    step = min(rows, max(1, min(block_bytes, GATE_BLOCK_BYTES) // (4 * max(cols, 1))))
+    diff = (g2 - g1)[None, :]
+    buffer = torch.empty(step * cols, dtype=g1.dtype, device=block.device)
+    for i in range(0, rows, step):
+        part = rare[i : i + step, None]
+        gamma = torch.addcmul(g1[None, :], part, diff, out=buffer[: part.shape[0] * cols].view(-1, cols))
+        if row_scale is not None:
+            gamma.mul_(row_scale[i : i + step, None])
+        block[i : i + step].mul_(gamma)
+    index = local[:, None]
+    kept = block.gather(1, index).squeeze(1)
+    block.scatter_(1, index, torch.where(owned, target_values.to(block.dtype), kept)[:, None])
+    return block
