@@ -71,15 +71,71 @@ def run(config: dict | None, steps: int, device: str) -> tuple[StepWindow, int]:
     return window, driver[0]
 
 
+def measurement(family: str) -> tuple[float, dict[str, float]]:
+    """Host reads inside one measurement of the metric `family` (``TrainingSession.measure``,
+    per call, over 3 measured steps of a tiny GPT-2 through the HF Trainer) and their sites."""
+    from transformers import Trainer, TrainingArguments
+
+    from aniso_plugins import AnisoConfig
+    from aniso_plugins.core.session import TrainingSession
+    from aniso_plugins.integrations.hf import AnisoCallback
+    from device_discipline import HostSyncs
+    from hf_utils import TokenDataset, tiny_gpt2
+
+    calls, total, sites = [0], [0], {}
+    original = TrainingSession.measure
+
+    def counted(self, step, kind="train"):
+        with HostSyncs(where=True) as mode:
+            out = original(self, step, kind)
+        calls[0] += 1
+        total[0] += mode.total
+        for site, n in mode.sites.items():
+            sites[site] = sites.get(site, 0) + n
+        return out
+
+    TrainingSession.measure = counted
+    try:
+        args = TrainingArguments(
+            output_dir=os.path.join("/tmp", "aniso_host_syncs"), report_to="none", use_cpu=True, disable_tqdm=True,
+            save_strategy="no", per_device_train_batch_size=4, max_steps=3, logging_steps=1, learning_rate=1e-3,
+            seed=0, eval_strategy="steps" if family == "eval" else "no", eval_steps=1,
+        )
+        config = AnisoConfig(load_entry_points=False, metrics=(family,), metrics_every=1)
+        data = TokenDataset(n=64)
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=data, eval_dataset=TokenDataset(n=8) if family == "eval" else None,
+                callbacks=[AnisoCallback(config)]).train()
+    finally:
+        TrainingSession.measure = original
+    n = max(calls[0], 1)
+    return total[0] / n, {site: k / n for site, k in sites.items()}
+
+
+def measurement_table(families: list[str]) -> None:
+    print("\nhost reads per measurement (TrainingSession.measure), HF Trainer, tiny GPT-2, cpu")
+    print("| metric family | reads / measurement | where (this package) |")
+    print("|---|---|---|")
+    for family in families:
+        per_call, sites = measurement(family)
+        where = ", ".join(f"{s} ×{n:g}" for s, n in sorted(sites.items(), key=lambda kv: -kv[1]) if "(not ours)" not in s)
+        print(f"| {family} | {per_call:g} | {where or '—'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated, of " + ", ".join(METHODS))
     parser.add_argument("--steps", type=int, default=3, help="steady-state steps counted")
+    parser.add_argument("--measurement", default="",
+                        help="comma-separated metric families: count the host reads of one measurement of each "
+                             "instead (e.g. geometry,frequency,hidden)")
     a = parser.parse_args()
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if a.measurement:
+        measurement_table(a.measurement.split(","))
+        return
     base, base_driver = run(None, a.steps, a.device)
     rows = [("plain Trainer", base.per_step, 0.0, base_driver / a.steps, "")]
     for name in a.methods.split(","):

@@ -25,7 +25,7 @@ import os
 import sys
 
 import torch
-from hf_engines import engine_arguments, install_cpu_shims
+from hf_engines import allow_deepspeed_cpu_fp16, engine_arguments, install_cpu_shims
 from hf_utils import VOCAB, TokenDataset, tiny_gpt2, tiny_llama
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
@@ -206,6 +206,8 @@ def main() -> None:
     a = parser.parse_args()
     world = 1 if a.engine == "single" else int(os.environ["WORLD_SIZE"])
     install_cpu_shims()
+    if a.engine.endswith("_fp16"):
+        allow_deepspeed_cpu_fp16()
     for run in a.runs.split(","):
         train(a, run, world)
     if torch.distributed.is_initialized():

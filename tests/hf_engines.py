@@ -55,6 +55,30 @@ def install_cpu_shims() -> None:
     AcceleratorState.__init__ = keep_fsdp_plugin
 
 
+def allow_deepspeed_cpu_fp16() -> None:
+    """Let DeepSpeed's CPU accelerator take fp16 (test harness only). It refuses fp16 ("Type fp16
+    is not supported on your device") where oneDNN has no fp16 kernels
+    (``torch.ops.mkldnn._is_mkldnn_fp16_supported()`` False: CPUs without AVX512-FP16 / AMX-FP16,
+    e.g. AMD EPYC), although PyTorch's CPU half-precision ops it then runs work on every CPU
+    (slower). Users of fp16 train on GPUs, where the check passes."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = type(get_accelerator())
+    if getattr(accelerator.is_fp16_supported, "_aniso_cpu_shim", False):
+        return
+
+    def supported(self) -> bool:
+        return True
+
+    def dtypes(self) -> list:
+        import torch
+
+        return [torch.float, torch.bfloat16, torch.float16]
+
+    supported._aniso_cpu_shim = True
+    accelerator.is_fp16_supported, accelerator.supported_dtypes = supported, dtypes
+
+
 def deepspeed_config(stage: int, offload: bool = False) -> dict[str, Any]:
     """A DeepSpeed configuration for the Trainer ("auto" fields filled by it), fp32, with every
     parameter partitioned under ZeRO-3."""

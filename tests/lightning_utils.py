@@ -138,6 +138,9 @@ def cpu_strategy(name: str, fp16_loss_scale: float | None = None) -> pl.strategi
         zero |= {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
     config = {"zero_optimization": zero, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
     if fp16_loss_scale is not None:
+        from hf_engines import allow_deepspeed_cpu_fp16
+
+        allow_deepspeed_cpu_fp16()
         config["fp16"] = {"enabled": True, "loss_scale": fp16_loss_scale}
     devices = [torch.device("cpu", rank) for rank in range(2)]
     return CPUDeepSpeedStrategy(config=config, parallel_devices=devices, process_group_backend="gloo")

@@ -142,19 +142,19 @@ def post_of(arch: zoo.Arch, run: Run):
 
 def output_side(arch, run, mode="plain", *, smoothing=0.0, targets=None, gate_targets=None, lowrank=None):
     """Σ over the step's micro-batches of the reference head gradients (float64), with the
-    Trainer's normalisation: Σ CE / (valid targets of the whole step). mode "agg": micro-batch m
-    gated with the counts of micro-batches 1..m (step 1, a_k = counts). `gate_targets` (for a
-    diagnosis only): compute the gates from other targets than the loss's."""
+    Trainer's normalisation: Σ CE / (valid targets of the whole step). mode "agg": every
+    micro-batch gated with the counts of the whole step (step 1, a_k = counts; the step's
+    micro-batches are counted before its first forward). `gate_targets` (for a diagnosis only):
+    compute the gates from other targets than the loss's."""
     targets = step_targets(arch, run) if targets is None else targets
     gate_targets = targets if gate_targets is None else gate_targets
     normalizer = sum(int((t != IGNORE).sum()) for t in targets)
-    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    counts = sum(torch.bincount(gt[gt != IGNORE].reshape(-1), minlength=VOCAB) for gt in gate_targets)
     total: dict[str, torch.Tensor] = {}
     parts = []
     for mb, tg, gt in zip(run.mbs, targets, gate_targets):
         gate = None
         if mode == "agg":
-            counts += torch.bincount(gt[gt != IGNORE].reshape(-1), minlength=VOCAB)
             gate = zoo.agg_gates(gt, counts, ALPHA)
         r = zoo.head_reference(mb.x, run.start.get("weight", run.w_before), run.start.get("bias"), tg, post_of(arch, run),
                                normalizer, gate=gate, smoothing=smoothing, lowrank=lowrank)

@@ -88,7 +88,7 @@ def test_the_layout_scales_what_the_session_counts():
     run = session.begin_training(accumulation_steps=2, loss_scale=3.0)
     assert run.accumulation_steps == 8
     assert session.begin_micro_batch(torch.zeros(2, 3, dtype=torch.long), step=1, accumulation_steps=2).accumulation_steps == 8
-    assert session._gradient_scale() == 0.75
+    assert session._gradient_scale(torch.device("cpu")) == 0.75
 
 
 def test_the_world_is_in_force_only_inside():

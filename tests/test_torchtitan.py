@@ -338,7 +338,13 @@ def test_agg_adds_no_host_read_to_torchtitans_step(runs):
     read to stock torchtitan's step 3 (tests/device_discipline.py's HostSyncs)."""
     stock, agg = runs["stock"], runs["from_stock"]  # AGG from stock's step-2 checkpoint: its window starts at step 3
     ours = {site: n for site, n in agg["host_sync_sites"].items() if not site.endswith("(not ours)")}
-    assert sum(agg["host_syncs"].values()) == sum(stock["host_syncs"].values()) and not ours, (agg["host_syncs"], ours)
+    # step 3 is the resumed process's first: torchdata's StatefulDataLoader creates its iterator
+    # there (one .item() drawing the iterator's seed), as stock torchtitan resumed would; the
+    # trainer's own reads are the same site by site
+    first_iterator = {site for site in agg["host_sync_sites"] if "stateful_dataloader.py" in site and "__init__" in site}
+    trainer = {site: n for site, n in agg["host_sync_sites"].items() if site not in first_iterator}
+    assert trainer == stock["host_sync_sites"] and not ours, (agg["host_sync_sites"], stock["host_sync_sites"])
+    assert sum(n for site, n in agg["host_sync_sites"].items() if site in first_iterator) <= 1
 
 
 @pytest.mark.slow

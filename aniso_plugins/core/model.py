@@ -155,6 +155,17 @@ class ModelHandle:
         """The output projection module (owns ``weight``, shape (V, d))."""
         return _get(self.model, self._head)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the head's tensors live (the model's device once the trainer has placed it): the
+        device of per-step state and of the collectives' tensors. Read from the head's own
+        tensors, not ``head().weight``, which a low-rank head forms as A·B: a product an
+        engine's flattened or partitioned parameters cannot give between steps."""
+        head = self.head()
+        for t in (*head.parameters(), *head.buffers(), *(v for v in vars(head).values() if isinstance(v, torch.Tensor))):
+            return t.device
+        return head.weight.device
+
     def head_weight(self) -> torch.Tensor:
         """The (V, d) matrix the head multiplies by, for metrics: ``head().weight`` (a LoRA-adapted
         head's W + ΔW in `aniso_plugins.models.handle.OutputEmbeddingsHandle`)."""

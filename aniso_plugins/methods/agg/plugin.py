@@ -108,7 +108,7 @@ class AGGPlugin(Plugin):
             return  # training again with the same window: keep the counts
         self.counter = SlidingTokenCounter(
             self.vocab_size, window, always_frequent=self.config.special_ids, ignore_index=self.config.ignore_index,
-            device=self.head.module.weight.device,  # the model's device, where it trains by now
+            device=self.model.device,  # the model's device, where it trains by now
         )
         self._static = None
 

@@ -152,7 +152,7 @@ class SimCSEPlugin(Plugin):
         if round_index > 0:
             return None
         views, self._views = self._views, None
-        device = self.model.head().weight.device  # one device class on every rank, measured or not
+        device = self.model.device  # one device class on every rank, measured or not
         zero = torch.zeros((), dtype=torch.float64, device=device)
         n = 0 if views is None else len(views[0])
         align_sum = alignment(*views).to(zero) * n if n else zero

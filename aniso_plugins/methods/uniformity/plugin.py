@@ -191,7 +191,7 @@ class UniformityMetricPlugin(Plugin):
         if round_index == 0:
             hidden = self._hidden
             if hidden is None:  # no measurement micro-batch seen on this rank: no pair
-                empty = torch.zeros(0, self.model.hidden_size, device=self.model.head().weight.device)
+                empty = torch.zeros(0, self.model.hidden_size, device=self.model.device)
                 hidden = uniformity_stats(empty, cfg.uniformity_t, HIDDEN_PREFIX)
             return {HEAD_PREFIX + "rows": Stat(self._head_rows(step))} | batch_scope(hidden)
         # round 1: every rank holds the sampled rows; each takes the pairs of its chunk of them

@@ -138,7 +138,7 @@ class EthayarajhPlugin(Plugin):
         if round_index > 0:
             return None
         words = self._words if self._words is not None else choose_words(torch.zeros(0, dtype=torch.int64), 1)
-        device = self.model.head().weight.device
+        device = self.model.device
         stats: dict[str, Stat] = {}
         for i in range(self.layers):
             prefix = f"{PREFIX}layer_{i}/"

@@ -39,7 +39,7 @@ class TargetCountsPlugin:
 
     @hookimpl
     def aniso_begin_training(self, run: RunInfo) -> None:
-        self.ready().to(self._model.head().weight.device)  # where the model trains by now: the collectives' device
+        self.ready().to(self._model.device)  # where the model trains by now: the collectives' device
 
     @hookimpl
     def aniso_targets(self, targets: torch.Tensor, step: StepInfo) -> None:

@@ -89,7 +89,7 @@ class HiddenStatesPlugin(Plugin):
         if round_index > 0:
             return None
         stats: dict[str, Stat] = {}
-        device = self.model.head().weight.device
+        device = self.model.device
         for i in range(self.layers):
             stats |= self._stats.get(i) or mean_cosine_stats(
                 torch.zeros(0, self.model.hidden_size, device=device), f"hidden/layer_{i}/"
