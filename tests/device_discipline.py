@@ -186,4 +186,20 @@ def lightning_window(window: StepWindow):
     return Counting()
 
 
-__all__ = ["TRAINING_METHODS", "HostSyncs", "StepWindow", "fake_cuda", "hf_window", "lightning_window"]
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op inside it makes (``largest``), of `dtype` only where
+    given: a memory bound on the temporaries of the code run inside."""
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.dtype, self.largest = dtype, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and (self.dtype is None or t.dtype == self.dtype):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+__all__ = ["TRAINING_METHODS", "HostSyncs", "LargestTensor", "StepWindow", "fake_cuda", "hf_window", "lightning_window"]

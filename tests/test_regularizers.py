@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from device_discipline import LargestTensor
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, SetupError, StepInfo
 from aniso_plugins.methods.heads.lowrank import LowRankHead
@@ -134,26 +134,13 @@ def test_hinge_float32_and_autocast():
         torch.testing.assert_close(cosine_hinge(w.float(), 0.2, block=64), ref, rtol=2e-5, atol=1e-7)
 
 
-class _LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_hinge_memory_is_block_times_vocab_never_vocab_squared():
     v, d, block = 301, 8, 16
     w = _weight(v=v, d=d).float().requires_grad_(True)
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         cosine_hinge(w, 0.1, block=block).backward()
     assert v * block <= probe.largest <= max(v * block, v * (d + 1)) < v * v // 4
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         cosine_hinge(w, 0.1, block=block, sample=40).backward()
     assert probe.largest <= max(v * block, v * (d + 1))
 

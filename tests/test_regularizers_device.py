@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from device_discipline import HostSyncs, fake_cuda
+from device_discipline import HostSyncs, LargestTensor, fake_cuda
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -234,19 +234,6 @@ def test_sampled_rows_are_the_same_on_every_rank_and_on_a_resumed_run(method):
 # --- spectrum control without a float64 V×d copy -----------------------------------------------
 
 
-class _Largest64(TorchDispatchMode):
-    """The largest float64 tensor any op makes."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("prior", ["poly", "ratio"])
@@ -254,7 +241,7 @@ def test_spectrum_makes_no_float64_copy_of_the_head(prior):
     """Value and gradient of a float32 head: no float64 tensor larger than the d×d Gram."""
     v, d = 600, 12
     w = torch.randn(v, d, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
-    with _Largest64() as probe:
+    with LargestTensor(torch.float64) as probe:
         spectrum_penalty(w, prior, c1=3.0).backward()
     assert 0 < probe.largest <= d * d < v * d
 

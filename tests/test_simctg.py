@@ -17,7 +17,7 @@ from torch import nn
 from aniso_plugins import AnisoConfig, AnisoPlugins, ModelHandle, StepInfo, TrainingSession, causal_targets
 from aniso_plugins.methods.simctg.loss import simctg_loss, simctg_pair_count, simctg_pair_sums
 from dist_utils import run_distributed
-from test_regularizers import _LargestTensor
+from device_discipline import LargestTensor
 from token_data import TokenDataset
 
 IGNORE = -100
@@ -167,7 +167,7 @@ def test_memory_is_batch_times_length_times_block():
     b, t, d, block = 2, 96, 8, 8
     x = torch.randn(b, t, d).requires_grad_(True)
     valid = torch.ones(b, t, dtype=torch.bool)
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         simctg_loss(x, valid, 0.5, block).backward()
     assert probe.largest <= max(b * t * block, b * t * d) < b * t * t // 4
 

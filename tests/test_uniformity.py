@@ -16,7 +16,8 @@ from torch import nn
 from aniso_plugins import AnisoConfig, AnisoPlugins, ConfigError, ModelHandle, SetupError, StepInfo, TrainingSession
 from aniso_plugins.methods.uniformity.kernels import pair_logsumexp, row_uniformity, uniformity_finish, uniformity_stats
 from dist_utils import run_distributed
-from test_regularizers import _LargestTensor, _sampled_rows
+from device_discipline import LargestTensor
+from test_regularizers import _sampled_rows
 
 V, D, T = 29, 5, 2.0
 IGNORE = -100
@@ -160,10 +161,10 @@ def test_float32_bf16_and_autocast_accumulate_in_float32():
 def test_memory_is_block_times_rows_never_rows_squared():
     v, d, block = 161, 8, 16
     w = _weight(v=v, d=d).float().requires_grad_(True)
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         row_uniformity(w, T, block=block).backward()
     assert v * block <= probe.largest <= max(v * block, v * (d + 1)) < v * v // 4
-    with _LargestTensor() as probe:
+    with LargestTensor() as probe:
         row_uniformity(w, T, block=block, sample=20).backward()
     assert probe.largest <= max(v * block, v * (d + 1))
 
