@@ -524,30 +524,25 @@ def test_bf16_staged_fused_loss_and_input_gradient_match_float64(smoothing):
     assert rel_err(dh.double(), ref_dh) < 1e-2
 
 
-@pytest.mark.parametrize("path", ["one_gemm", "device_rows", "blocked"])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_rounded_dw_product_paths_add_diag_scale_times_the_bf16_rounded_product(path, scaled):
-    """`addmm_in_`'s bf16 paths (off the CPU one GEMM into a buffer, or blocks of rows of at most
-    `PRODUCT_BYTES`; blocks of `UPCAST_ROWS` rows on the CPU), all run here: out += diag(s) ·
-    round_bf16(A B), against float64 of the bf16 operands, rounded once. 1100 rows: two full blocks
-    and a partial one."""
+@pytest.mark.parametrize("path", ["device_rows", "blocked"])
+def test_rounded_dw_product_paths_add_the_bf16_rounded_product(path):
+    """`addmm_in_`'s bf16 paths (off the CPU blocks of rows of at most `PRODUCT_BYTES`, on the CPU
+    blocks of `UPCAST_ROWS` rows), both run here: out += round_bf16(A B), against float64 of the
+    bf16 operands, rounded once. 1100 rows: two full blocks and a partial one."""
     g = torch.Generator().manual_seed(0)
     v, n, d = 1100, 96, 48
     a, b = torch.randn(v, n, generator=g).bfloat16(), torch.randn(n, d, generator=g).bfloat16()
     out0 = torch.randn(v, d, generator=g)
-    scale = torch.rand(v, generator=g) + 0.5 if scaled else None
     product = (a.double() @ b.double()).bfloat16().double()  # the GEMM's one rounding
-    ref = out0.double() + (product if scale is None else scale.double()[:, None] * product)
+    ref = out0.double() + product
     out = out0.clone()
-    if path == "one_gemm":
-        gemm_ops._add_rounded_product_(out, a, b, torch.empty(v, d, dtype=torch.bfloat16), scale)
-    elif path == "device_rows":
-        gemm_ops._add_rounded_product_in_rows_(out, a, b, scale, 512)
+    if path == "device_rows":
+        gemm_ops._add_rounded_product_in_rows_(out, a, b, 512)
     else:
         assert v > 2 * gemm_ops.UPCAST_ROWS
-        gemm_ops._add_rounded_product_blocked_(out, a, b, scale)
+        gemm_ops._add_rounded_product_blocked_(out, a, b)
     # float32 accumulation inside the GEMM may round a product to the neighbouring bf16 value
-    ulp = 2.0 ** -7 * product.abs() * (1.0 if scale is None else scale.double()[:, None])
+    ulp = 2.0 ** -7 * product.abs()
     err = (out.double() - ref).abs()
     assert bool((err <= ulp + 1e-6 * ref.abs() + 1e-6).all()), float((err - ulp).max())
     assert float(err.mean()) < 1e-3 * float(product.abs().mean())  # almost all entries exact

@@ -87,8 +87,7 @@ PRODUCT_BYTES = 64 * 2**20
 1 GB at V = 128256, d = 4096)."""
 
 
-def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype,
-              product: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> None:
+def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torch.dtype) -> None:
     """``out += a @ b`` with the GEMM's operands in `compute`, the head's GEMM dtype.
 
     As autograd computes ``F.linear``'s weight gradient under autocast, and as Liger-Kernel's
@@ -96,57 +95,35 @@ def addmm_in_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, compute: torc
     it), its product rounded to `compute` once and added into the float32 `out`; when `compute` is
     `out`'s dtype, ``out.addmm_(a, b)``. A float32 GEMM in a bf16 step would run at the GPU's
     float32 rate, many times slower than plain autograd's (docs/performance.md §7.3).
-    `row_scale`: ``out += diag(row_scale) · (a @ b)`` (only where `compute` differs from out's
-    dtype: the scale applies to the float32 product, after its one rounding).
 
-    Off the CPU the product is one GEMM into `product` (a buffer of out's shape in `compute`, or
-    None) and one mixed-dtype add, per block of rows of `out` whose product takes at most
-    `PRODUCT_BYTES` (the whole `out` at once when `product` is given). On the CPU it is computed in blocks of
-    `UPCAST_ROWS` rows of `out`, each rounded, converted into a small float32 buffer and added:
-    no `out`-sized product (at V = 32768, d = 2048: 128 MiB less), and no mixed-dtype ``add_`` of
-    the whole product, which converts through a full-size temporary and is much slower on the
-    CPU than the blocks (measurements: docs/performance.md §7.3)."""
+    Off the CPU the product is one GEMM and one mixed-dtype add per block of rows of `out` whose
+    product takes at most `PRODUCT_BYTES`. On the CPU it is computed in blocks of `UPCAST_ROWS`
+    rows of `out`, each rounded, converted into a small float32 buffer and added: no `out`-sized
+    product (at V = 32768, d = 2048: 128 MiB less), and no mixed-dtype ``add_`` of the whole
+    product, which converts through a full-size temporary and is much slower on the CPU than the
+    blocks (measurements: docs/performance.md §7.3)."""
+    a, b = a.to(compute), b.to(compute)
     if compute == out.dtype:
-        if row_scale is not None:
-            raise ValueError("addmm_in_: row_scale is for a product in a narrower dtype than out")
-        out.addmm_(a.to(compute), b.to(compute))
+        out.addmm_(a, b)
     elif out.device.type == "cpu":
-        _add_rounded_product_blocked_(out, a.to(compute), b.to(compute), row_scale)
-    elif product is not None:
-        _add_rounded_product_(out, a.to(compute), b.to(compute), product, row_scale)
+        _add_rounded_product_blocked_(out, a, b)
     else:
-        a, b = a.to(compute), b.to(compute)
-        _add_rounded_product_in_rows_(out, a, b, row_scale, max(1, PRODUCT_BYTES // (b.shape[1] * b.element_size())))
+        _add_rounded_product_in_rows_(out, a, b, max(1, PRODUCT_BYTES // (b.shape[1] * b.element_size())))
 
 
-def _add_rounded_product_in_rows_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_scale: torch.Tensor | None,
-                                  rows: int) -> None:
-    """`addmm_in_` off the CPU: `_add_rounded_product_` for `rows` rows of `out` at a time."""
+def _add_rounded_product_in_rows_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int) -> None:
+    """`addmm_in_` off the CPU: for `rows` rows of `out` at a time, one GEMM in `a`'s dtype (its
+    one rounding) and one mixed-dtype add."""
     for i in range(0, out.shape[0], rows):
-        scale = None if row_scale is None else row_scale[i : i + rows]
-        _add_rounded_product_(out[i : i + rows], a[i : i + rows], b, None, scale)
+        out[i : i + rows].add_(torch.mm(a[i : i + rows], b))
 
 
-def _add_rounded_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, product: torch.Tensor | None,
-                          row_scale: torch.Tensor | None) -> None:
-    """`addmm_in_` off the CPU: one GEMM into `product` (or a new tensor) and one mixed-dtype add."""
-    src = torch.mm(a, b, out=product)
-    if row_scale is None:
-        out.add_(src)
-    else:
-        out.addcmul_(src, row_scale[:, None].to(out.dtype))
-
-
-def _add_rounded_product_blocked_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                                  row_scale: torch.Tensor | None) -> None:
+def _add_rounded_product_blocked_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """`addmm_in_` on the CPU: blocks of `UPCAST_ROWS` rows of `out`, each a GEMM into a small
-    buffer of `a`'s dtype, converted into a small float32 one, scaled and added."""
+    buffer of `a`'s dtype, converted into a small float32 one and added."""
     rows = min(UPCAST_ROWS, out.shape[0])
     part = torch.empty(rows, out.shape[1], dtype=a.dtype)
     stage = torch.empty(rows, out.shape[1], dtype=out.dtype)
     for i in range(0, out.shape[0], UPCAST_ROWS):
         n = min(UPCAST_ROWS, out.shape[0] - i)
-        block = stage[:n].copy_(torch.mm(a[i : i + n], b, out=part[:n]))
-        if row_scale is not None:
-            block.mul_(row_scale[i : i + n, None])
-        out[i : i + n].add_(block)
+        out[i : i + n].add_(stage[:n].copy_(torch.mm(a[i : i + n], b, out=part[:n])))
