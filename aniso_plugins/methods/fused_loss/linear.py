@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_, check_inputs, compute_dtypes, index_targets
-from aniso_plugins.methods.fused_loss.row_gates import RowGates, gate_block_, row_flags
+from aniso_plugins.methods.fused_loss.row_gates import RowGates, columns_of, gate_block_, row_flags
 from aniso_plugins.numerics.distributed import VocabShard
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
@@ -79,9 +79,7 @@ def _gated_weight_grad_blocks(G: torch.Tensor, X: torch.Tensor, y: torch.Tensor,
     valid = y != ignore_index
     safe = torch.where(valid, y, 0)
     flags = row_flags(RowGates(g1, g2, rare, g_target), safe, valid, acc)
-    local = safe - start
-    owned = valid & (local >= 0) & (local < v)
-    local = local.clamp(0, max(v - 1, 0))
+    local, owned = columns_of(safe, valid, start, start + v)
     gate1, gate2 = g1.to(acc)[start : start + v], g2.to(acc)[start : start + v]
     dw = torch.zeros(v, d, dtype=acc, device=G.device)
     step = min(ROW_BLOCK, max(MIN_GROUP_ROWS, GROUP_BYTES // (4 * max(v, 1))))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
-from aniso_plugins.methods.fused_loss.row_gates import RowGates, gate_block_, row_flags
+from aniso_plugins.methods.fused_loss.row_gates import RowGates, columns_of, gate_block_, row_flags
 from aniso_plugins.methods.fused_loss.workspace import STAGE_BYTES, RowTerms, Tile, block_stats, softmax_stats_
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
@@ -186,8 +186,7 @@ def _chunk_pass(c: _Chunk, grads) -> tuple:
 
 def _owned(c: _Chunk, s: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's target column in the tile of ids [s, e) (clamped) and whether the tile holds it."""
-    owned = (c.local >= s) & (c.local < e) & (c.terms.weight != 0)
-    return (c.local - s).clamp(0, e - s - 1), owned
+    return columns_of(c.local, c.terms.weight != 0, s, e)
 
 
 def _classes(c: _Chunk, s: int, e: int) -> torch.Tensor | None:

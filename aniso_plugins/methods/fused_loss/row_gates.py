@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["GATE_BLOCK_BYTES", "RowFlags", "RowGates", "gate_block_", "row_flags"]
+__all__ = ["GATE_BLOCK_BYTES", "RowFlags", "RowGates", "columns_of", "gate_block_", "row_flags"]
 
 GATE_BLOCK_BYTES = 4 * 2**20
 """Bytes of the float32 Γ temporary per row block of `gate_block_` (it stays in cache)."""
@@ -78,6 +78,14 @@ def row_flags(gates: RowGates, safe_targets: torch.Tensor, valid: torch.Tensor, 
     rare = (gates.rare[safe_targets] & valid).to(dtype)
     wanted = torch.ones_like(rare) if gates.g_target is None else gates.g_target.to(dtype)[safe_targets]
     return RowFlags(rare, wanted)
+
+
+def columns_of(ids: torch.Tensor, kept: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's target column in a block of the ids [start, stop) (clamped into it, so that a
+    gather or scatter stays in range) and whether the block holds it (`kept` rows only):
+    elementwise, no data-dependent shape."""
+    owned = kept & (ids >= start) & (ids < stop)
+    return (ids - start).clamp(0, max(stop - start - 1, 0)), owned
 
 
 def gate_block_(block: torch.Tensor, rare: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, local: torch.Tensor,
