@@ -93,3 +93,35 @@ def test_lightning_trains_the_same_compiled_as_eager(tmp_path, name):
     eager, compiled = (_lightning(tmp_path / f"{name}{c}", METHODS[name], c) for c in (False, True))
     worst = max(rel(compiled[n], eager[n]) for n in eager)
     assert worst <= max(10 * rounding, 1e-6), (name, worst, rounding)
+
+
+def test_a_graph_compiled_before_set_up_is_not_reused(tmp_path):
+    """dynamo does not guard on module hooks by default, so a GPT-2 forward compiled by a plain run
+    earlier in the process used to be reused by the next run's compiled forward without the
+    session's head hooks: SimCTG then trained without its term (1.6 relative difference from its
+    eager run, this order only). The session turns the hook guards on and drops such graphs."""
+    _hf(tmp_path / "plain", None, True)  # compiled first, without any hook
+    eager, compiled = (_hf(tmp_path / str(c), METHODS["simctg"], c) for c in (False, True))
+    worst = max(rel(compiled[n], eager[n]) for n in eager)
+    assert worst <= 1e-6, worst
+
+
+def test_a_hook_added_after_the_first_compiled_call_runs():
+    """What a measurement step does under compilation (a probe hooks the head for one call): after
+    set-up, a hook added to a submodule of a compiled, already-called model runs at the next call,
+    and no longer after its removal."""
+    from aniso_plugins.core.session import guard_module_hooks
+
+    guard_module_hooks()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(3, 4)
+    compiled(x)
+    seen = []
+    handle = model[1].register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    out = compiled(x)
+    assert len(seen) == 1 and torch.equal(seen[0], out.detach())
+    handle.remove()
+    compiled(x)
+    assert len(seen) == 1

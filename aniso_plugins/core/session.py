@@ -71,6 +71,23 @@ def _in_world(method: Callable) -> Callable:
     return in_layout_world
 
 
+
+def guard_module_hooks() -> None:
+    """Make ``torch.compile`` notice the hooks a session adds to and removes from the model.
+
+    dynamo skips guards on ``nn.Module`` hooks by default (``torch._dynamo.config.
+    skip_nnmodule_hook_guards``): a forward compiled before a hook was added, or after one was
+    removed, runs as it was traced, so a loss term or measurement hook that is added at set-up or at
+    a measurement step would be silently ignored (or a removed one still run) under compilation. The
+    session turns those guards on for the process; where they were off, graphs compiled so far
+    (without them) are discarded once (``torch._dynamo.reset``) so that none is reused unguarded."""
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+        logger.info("aniso: torch.compile now guards on module hooks (skip_nnmodule_hook_guards=False)")
+
 class TrainingSession:
     """One training run's plugins plus the adapter-side bookkeeping.
 
@@ -151,6 +168,7 @@ class TrainingSession:
         undone (`ModelHandle.restore`) before the error propagates."""
         if self.handle is not None:
             raise SetupError("TrainingSession.setup was already called for this run: call detach() first")
+        guard_module_hooks()
         layout = layout if layout is not None else ParallelLayout()
         self.check_layout(layout)
         self.layout = handle.layout = layout
