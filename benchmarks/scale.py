@@ -417,7 +417,7 @@ def peer_ratios(cell: Cell, fused: str, baseline: str = "plain") -> tuple[float,
 def _chunk_text(rows: int, ids: int) -> str:
     if rows or ids:
         return f"{rows or 'all'} rows × {ids or 'all'} ids"
-    return "plan_tiles(N, V, d) (≤ 4·N·d bytes: whole rows where ≥ 128 fit, else every row × a block of ids)"
+    return "plan_tiles(N, V, d) (PyTorch's chunk: its whole rows where ≥ 64, else every row × a block of ids)"
 
 
 def print_tables(cells: list[Cell], variants: list[str], args, rates: dict[str, float]) -> None:

@@ -153,28 +153,31 @@ CELLS = [(4096, 32768, 768), (4096, 131072, 768), (16384, 32768, 768), (4096, 32
 
 @pytest.mark.parametrize("n, v, d", CELLS)
 @pytest.mark.parametrize("itemsize", [4, 2])
-def test_the_default_tiles_take_pytorchs_chunk_less_a_work_block(n, v, d, itemsize):
-    """The default plan: a tile of at most PyTorch's chunk (next_pow2(⌈N/⌈V/d⌉⌉) rows of float32
-    logits, written out here) less two work blocks and 64 bytes per row, at least 1 MiB; whole rows
-    (at most 1024) where at least FLOOR_ROWS fit, else every row and the ids that fit."""
+def test_the_default_tiles_take_pytorchs_chunk(n, v, d, itemsize):
+    """The default plan, from PyTorch's chunk (next_pow2(⌈N/⌈V/d⌉⌉) rows of float32 logits, written
+    out here): whole rows (at most 1024) where at least FLOOR_ROWS of them fit in the chunk's bytes
+    (at least 1 MiB), with work blocks of a 64th of the chunk, else every row and the ids that fit
+    in the chunk less two work blocks (an eighth of it, at most 4 MiB) and 64 bytes per row."""
     target = math.ceil(n / math.ceil(v / d))
     chunk = 4 * v * min(2 ** math.ceil(math.log2(target)), n)
     block = min(4 * 2**20, max(chunk // 8, 2**18))
-    budget = max(chunk - 2 * block - 64 * n, 2**20) // itemsize
     plan = plan_tiles(n, v, d, itemsize=itemsize)
-    assert plan.rows * plan.cols <= budget and plan.block == block
-    if budget // v >= min(n, FLOOR_ROWS):
-        assert (plan.rows, plan.cols) == (min(budget // v, 1024, n), v)
+    fit = max(chunk, 2**20) // (itemsize * v)
+    if fit >= min(n, FLOOR_ROWS):
+        assert (plan.rows, plan.cols, plan.block) == (min(fit, 1024, n), v, min(block, max(chunk // 64, 4096)))
+        assert plan.rows * plan.cols * itemsize <= max(chunk, 2**20)
     else:
-        assert (plan.rows, plan.cols) == (n, budget // n)
+        budget = max(chunk - 2 * block - 64 * n, 2**20) // itemsize
+        assert (plan.rows, plan.cols, plan.block) == (n, budget // n, block)
     assert plan_tiles(n, v, d, rows=512)[:2] == (min(512, n), v) and plan_tiles(n, v, d, cols=100)[:2] == (n, min(100, v))
 
 
 def test_the_default_tiles_of_the_benchmark_cells():
     """The plans written out (docs/performance.md §11.4): PyTorch's chunk rows there are 128, 512,
-    256, 32, 2 and 2048."""
-    expected = {(4096, 32768, 768): (4096, 752), (16384, 32768, 768): (440, 32768),
-                (4096, 32768, 2048): (190, 32768), (4096, 131072, 768): (4096, 752),
+    256, 32, 2 and 2048; fewer than 64 rows give vocabulary blocks."""
+    expected = {(4096, 32768, 768): (128, 32768), (4096, 50304, 768): (64, 50304),
+                (16384, 32768, 768): (512, 32768), (4096, 32768, 2048): (256, 32768),
+                (4096, 131072, 768): (4096, 752), (4096, 50257, 256): (4096, 278),
                 (1024, 262144, 512): (1024, 368), (65536, 32768, 768): (1024, 32768)}
     assert {cell: tuple(plan_tiles(*cell)[:2]) for cell in expected} == expected
 
@@ -185,3 +188,19 @@ def test_tile_sizes_are_checked_with_the_value_and_the_fix():
         fused_linear_cross_entropy(h, w, y, vocab_chunk_size=0)
     with pytest.raises(ValueError, match=r"chunk_size=2.5: expected an integer >= 1 \(token rows per tile\)"):
         fused_linear_cross_entropy(h, w, y, chunk_size=2.5)
+
+
+def test_a_few_whole_rows_are_computed_ids_major_on_the_cpu():
+    """A float32 tile of at most TRANSPOSED_ROWS whole rows holds its logits ids-major (W Xᵀ, the
+    faster GEMM for a few rows here) and is read as rows × ids: equal to X Wᵀ + b written out; the
+    default plan at 4096 × 50304, d = 768 is such a tile (PyTorch's 64 rows)."""
+    from aniso_plugins.methods.fused_loss.passes import TRANSPOSED_ROWS
+    from aniso_plugins.methods.fused_loss.workspace import Tile
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 4, generator=g), torch.randn(9, 4, generator=g), torch.randn(9, generator=g)
+    z = Tile(5, 9, torch.float32, torch.float32, torch.device("cpu"), 2**12, transposed=True).logits(x, w, b)
+    assert z.shape == (5, 9) and z.T.is_contiguous() and not z.is_contiguous()
+    expected = [[sum(float(x[i, k]) * float(w[j, k]) for k in range(4)) + float(b[j]) for j in range(9)] for i in range(5)]
+    torch.testing.assert_close(z, torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    assert plan_tiles(4096, 50304, 768).rows == 64 <= TRANSPOSED_ROWS

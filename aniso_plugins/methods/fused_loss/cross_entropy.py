@@ -6,8 +6,8 @@ The loss and its gradients are computed in the forward over tiles of the logits 
 chunks that hold the whole vocabulary, or every row × a block of ids with a second logits GEMM),
 and the backward scales them by the incoming gradient (``reduction="none"``: the backward runs the
 passes again with the incoming per-position gradient as token weights). By default
-(`plan_tiles`) a tile takes at most the bytes of the hidden states in float32, so the peak extra
-memory is dW (V × d, at least float32) + dX + about N·d logits: the floor of PyTorch's
+(`plan_tiles`) a tile takes the bytes of PyTorch's chunk of float32 logits (about the hidden
+states'), so the peak extra memory is dW (V × d, at least float32) + dX + about N·d logits: the floor of PyTorch's
 ``F.linear_cross_entropy`` (docs/performance.md §11). ``chunk_size=1024`` (whole rows of 1024
 tokens) takes one logits GEMM fewer where the default takes vocabulary blocks, for 1024·V logits
 of memory.

@@ -22,8 +22,8 @@ class FusedLossOptions(Options):
     False: never (AGG then runs as the gated head)."""
     fused_chunk_size: int | None = None
     """Token rows per tile of the fused loss (each tile holds the whole vocabulary of its rows);
-    None: tiles of at most the hidden states' bytes in float32, PyTorch's ``F.linear_cross_entropy``
-    floor (`aniso_plugins.methods.fused_loss.passes.plan_tiles`: whole rows where 128 or more fit,
+    None: tiles of the bytes of PyTorch's ``F.linear_cross_entropy`` chunk, its memory floor
+    (`aniso_plugins.methods.fused_loss.passes.plan_tiles`: its whole rows where 64 or more,
     else vocabulary blocks with one more logits GEMM). 1024: the 0.1 default's speed and memory."""
 
     def validate(self) -> None:

@@ -1,9 +1,10 @@
 """The passes of `fused_linear_cross_entropy` over tiles of the N × V logits (docs/performance.md §11):
 a tile is `Plan.rows` token rows × `Plan.cols` vocabulary ids, never the whole N × V.
 
-- A tile that holds every id of its rows (``cols = V``, row chunks: Liger-Kernel's scheme) is
-  computed once: its statistics, softmax and logit gradient in one pass (on the CPU the row-local
-  softmax kernel, in place), then dX_rows = H W, the gates, dW += Hᵀ X_rows.
+- A tile that holds every id of its rows (``cols = V``, row chunks: Liger-Kernel's and PyTorch's
+  scheme) is computed once: its statistics, softmax and logit gradient in one pass (on the CPU the
+  row-local softmax kernel, in place; a few rows ids-major, `TRANSPOSED_ROWS`), then
+  dX_rows = H W, the gates, dW += Hᵀ X_rows.
 - Tiles of part of the vocabulary (Cut Cross-Entropy's scheme) take two passes over the ids of
   each row chunk: the first combines each row's log-sum-exp over the tiles (online, no logits
   kept), the second recomputes each tile's logits and takes p = exp(z' − lse), its gradient,
@@ -26,12 +27,16 @@ from aniso_plugins.methods.fused_loss.row_gates import RowGates, columns_of, gat
 from aniso_plugins.methods.fused_loss.workspace import STAGE_BYTES, RowTerms, Tile, block_stats, softmax_stats_
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
-__all__ = ["FLOOR_ROWS", "PassOptions", "Plan", "Shard", "fused_pass", "plan_tiles", "pytorch_chunk_rows"]
+__all__ = ["FLOOR_ROWS", "TRANSPOSED_ROWS", "PassOptions", "Plan", "Shard", "fused_pass", "plan_tiles", "pytorch_chunk_rows"]
 
-FLOOR_ROWS = 128
+FLOOR_ROWS = 64
 """Fewest token rows of a tile that holds the whole vocabulary in the default plan: each such tile
 reads W twice and dW twice, which at fewer rows costs more than a second logits GEMM over
 vocabulary blocks (docs/performance.md §11.4)."""
+TRANSPOSED_ROWS = 128
+"""On the CPU, a float32 tile of whole rows of at most this many rows is computed as Wᵀ-major
+(ids × rows, `Tile`): the logits GEMM of a few rows runs 1.2-1.5× faster as W Xᵀ than as X Wᵀ there,
+and the softmax is then a reduction over the contiguous dimension's rows (docs/performance.md §11.4)."""
 MIN_TILE_BYTES = 2**20
 """A tile of at least this many bytes (small problems are not cut in tiny tiles)."""
 ROW_BYTES = 64
@@ -58,21 +63,23 @@ def pytorch_chunk_rows(n: int, v: int, d: int) -> int:
 def plan_tiles(n: int, v: int, d: int, rows: int | None = None, cols: int | None = None, itemsize: int = 4,
                block: int = STAGE_BYTES) -> Plan:
     """The tiles of N × V logits of `itemsize` bytes. Given `rows` (token rows per tile) and / or
-    `cols` (ids per tile), those (the other: all). By default a tile takes at most the float32
-    bytes of PyTorch's chunk (`pytorch_chunk_rows` × V), less two work blocks (`block` bytes, the
-    device's: `STAGE_BYTES` on the CPU; at most an eighth of the chunk) and `ROW_BYTES` per row:
-    whole rows when at least `FLOOR_ROWS` fit (at most 1024), else every row × the ids that fit;
-    never less than `MIN_TILE_BYTES`. Our peak beyond dW and dX is then one tile, one work block and
-    the per-row vectors: below PyTorch's chunk alone."""
+    `cols` (ids per tile), those (the other: all). By default the bytes of PyTorch's float32 chunk
+    (`pytorch_chunk_rows` × V, at least `MIN_TILE_BYTES`): whole rows where at least `FLOOR_ROWS`
+    fit (PyTorch's rows, twice them for bf16 logits, at most 1024; a power of two, which the GEMMs
+    of a few rows need), with work blocks of at most a 64th of the chunk; else every row × the ids
+    that fit in the chunk less two work blocks (`block` bytes, the device's: `STAGE_BYTES` on the
+    CPU; at most an eighth of the chunk) and `ROW_BYTES` per row. Beyond dW and dX we then hold
+    one tile, one work block and the per-row vectors, where PyTorch holds its chunk and its
+    per-row vectors."""
     n, v = max(n, 1), max(v, 1)
     if rows is not None or cols is not None:
         return Plan(min(rows or n, n), min(cols or v, v), block)
     chunk = 4 * v * pytorch_chunk_rows(n, v, d)
     block = min(block, max(chunk // 8, 2**18))
-    budget = max(chunk - 2 * block - ROW_BYTES * n, MIN_TILE_BYTES) // itemsize
-    fit = budget // v
+    fit = max(chunk, MIN_TILE_BYTES) // (itemsize * v)
     if fit >= min(n, FLOOR_ROWS):
-        return Plan(min(fit, ROW_BLOCK, n), v, block)
+        return Plan(min(fit, ROW_BLOCK, n), v, min(block, max(chunk // 64, 2**12)))
+    budget = max(chunk - 2 * block - ROW_BYTES * n, MIN_TILE_BYTES) // itemsize
     return Plan(n, min(v, max(budget // n, 1)), block)
 
 
@@ -117,8 +124,7 @@ def fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         n, v, acc = X.shape[0], weight.shape[0], o.acc
         offset = 0 if o.shard is None else o.shard.start
         valid = terms.weight != 0  # ignored rows (and rows of token weight 0) weigh nothing
-        safe = torch.where(valid, y, 0)
-        flags = None if gates is None or not want_dw else row_flags(gates, safe, valid, acc)
+        flags = None if gates is None or not want_dw else row_flags(gates, torch.where(valid, y, 0), valid, acc)
         columns = None if flags is None else tuple(g.to(acc)[offset : offset + v] for g in (gates.g1, gates.g2))
         w = weight.to(o.compute)
         b = None if bias is None else bias.to(o.compute)
@@ -127,11 +133,14 @@ def fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         db = torch.zeros(v, dtype=acc, device=X.device) if want_db and bias is not None else None
         rows = _Rows(*(torch.zeros(n, dtype=acc, device=X.device) for _ in range(2)),
                      torch.zeros(n, dtype=acc, device=X.device) if terms.smoothing else None)
-        tile = Tile(min(o.plan.rows, n), min(o.plan.cols, v), o.compute, acc, X.device, o.plan.block)
+        transposed = (X.device.type == "cpu" and o.plan.cols >= v and o.plan.rows <= TRANSPOSED_ROWS
+                      and o.compute == acc and o.transform is None)
+        tile = Tile(min(o.plan.rows, n), min(o.plan.cols, v), o.compute, acc, X.device, o.plan.block, transposed)
         for r0 in range(0, n, o.plan.rows):
             r1 = min(r0 + o.plan.rows, n)
             part = terms.rows(r0, r1)
-            ctx = _Chunk(X[r0:r1].to(o.compute), safe[r0:r1] - offset, part, w, b, tile, o, columns, flags, r0)
+            local = torch.where(valid[r0:r1], y[r0:r1], 0) - offset  # ignored rows' id: 0 (no N-sized copy held)
+            ctx = _Chunk(X[r0:r1].to(o.compute), local, part, w, b, tile, o, columns, flags, r0)
             stats = _chunk_pass(ctx, (None if dx is None else dx.view(n, d), dw, db))
             for full, part in zip(rows, stats):
                 if full is not None:

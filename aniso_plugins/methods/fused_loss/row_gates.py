@@ -95,17 +95,30 @@ def gate_block_(block: torch.Tensor, rare: torch.Tensor, g1: torch.Tensor, g2: t
     rare_i·(g2_k − g1_k) (`g1`, `g2`: the block's columns), times `row_scale`_i where given, then
     the target entry (i, local_i) of each row that owns its target set to `target_values` (the
     ungated entry times its wanted gate and row scale). Γ is formed `block_bytes` at a time
-    (float32), so no block-sized temporary."""
+    (float32), so no block-sized temporary: rows at a time, or blocks of ids of an ids-major
+    `block` (the transpose of a contiguous tensor: `Tile.transposed`)."""
     rows, cols = block.shape
-    step = min(rows, max(1, min(block_bytes, GATE_BLOCK_BYTES) // (4 * max(cols, 1))))
-    diff = (g2 - g1)[None, :]
-    buffer = torch.empty(step * cols, dtype=g1.dtype, device=block.device)
-    for i in range(0, rows, step):
-        part = rare[i : i + step, None]
-        gamma = torch.addcmul(g1[None, :], part, diff, out=buffer[: part.shape[0] * cols].view(-1, cols))
-        if row_scale is not None:
-            gamma.mul_(row_scale[i : i + step, None])
-        block[i : i + step].mul_(gamma)
+    budget = min(block_bytes, GATE_BLOCK_BYTES)
+    diff = g2 - g1
+    if not block.is_contiguous() and block.T.is_contiguous():  # ids-major (`Tile.transposed`): blocks of ids
+        step = min(cols, max(1, budget // (4 * max(rows, 1))))
+        buffer = torch.empty(step * rows, dtype=g1.dtype, device=block.device)
+        for k in range(0, cols, step):
+            ids = slice(k, k + step)
+            gamma = torch.addcmul(g1[ids, None], diff[ids, None], rare[None, :],
+                                  out=buffer[: min(step, cols - k) * rows].view(-1, rows))
+            if row_scale is not None:
+                gamma.mul_(row_scale[None, :])
+            block.T[ids].mul_(gamma)
+    else:
+        step = min(rows, max(1, budget // (4 * max(cols, 1))))
+        buffer = torch.empty(step * cols, dtype=g1.dtype, device=block.device)
+        for i in range(0, rows, step):
+            part = rare[i : i + step, None]
+            gamma = torch.addcmul(g1[None, :], part, diff[None, :], out=buffer[: part.shape[0] * cols].view(-1, cols))
+            if row_scale is not None:
+                gamma.mul_(row_scale[i : i + step, None])
+            block[i : i + step].mul_(gamma)
     index = local[:, None]
     kept = block.gather(1, index).squeeze(1)
     block.scatter_(1, index, torch.where(owned, target_values.to(block.dtype), kept)[:, None])

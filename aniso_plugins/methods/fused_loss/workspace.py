@@ -110,18 +110,26 @@ class Tile:
     call (a contiguous view of its first elements for a smaller one), and its float32 work: in
     place where the logits are float32 (in row blocks of `block_bytes` where a temporary is
     needed), through a stage of `block_bytes` where they are not (bf16 logits). The block is
-    `STAGE_BYTES` on the CPU, `DEVICE_BLOCK_BYTES` elsewhere, or less (`plan_tiles`)."""
+    `STAGE_BYTES` on the CPU, `DEVICE_BLOCK_BYTES` elsewhere, or less (`plan_tiles`).
+    `transposed`: the logits are held ids-major (the transpose of a contiguous ids × rows block;
+    `passes.TRANSPOSED_ROWS`), for float32 tiles worked whole."""
 
     def __init__(self, rows: int, cols: int, compute: torch.dtype, acc: torch.dtype, device: torch.device,
-                 block_bytes: int) -> None:
+                 block_bytes: int, transposed: bool = False) -> None:
         self.acc = acc
+        self.transposed = transposed
         self.buffer = torch.empty(rows * cols, dtype=compute, device=device)
         self.staged = compute != acc
         self.block = max(1, block_bytes // (4 * max(cols, 1)))
         self.stage = torch.empty(min(self.block, rows) * cols, dtype=acc, device=device) if self.staged else None
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        """x wᵀ (+ b) into the buffer: (rows of x) × (rows of w)."""
+        """x wᵀ (+ b) into the buffer: (rows of x) × (rows of w); `transposed`: computed as w xᵀ,
+        the transpose of a contiguous (rows of w) × (rows of x) block."""
+        if self.transposed:
+            out = self.buffer[: x.shape[0] * w.shape[0]].view(w.shape[0], x.shape[0])
+            z = torch.mm(w, x.T, out=out) if b is None else torch.addmm(b[:, None], w, x.T, out=out)
+            return z.T
         out = self.buffer[: x.shape[0] * w.shape[0]].view(x.shape[0], w.shape[0])
         return torch.mm(x, w.T, out=out) if b is None else torch.addmm(b, x, w.T, out=out)
 
@@ -156,11 +164,15 @@ def block_stats(w: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, class
 def softmax_stats_(w: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, classes: torch.Tensor | None,
                    want_sum: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`block_stats` for a block that holds every id of its rows, turning `w` into softmax(w) in
-    place with one row-local kernel (CPU): lse_i = max_k z'_ik − log p_{i,argmax}."""
+    place with one row-local kernel (CPU; an ids-major block's rows are its columns, which the kernel
+    reduces along the contiguous dimension): lse_i = max_k z'_ik − log p_{i,argmax}."""
     target = torch.where(owned, w.gather(1, local[:, None]).squeeze(1), 0.0)
     total = None if not want_sum else (w.sum(1) if classes is None else torch.mv(w, classes))
     peak, at = w.max(1)
-    torch.ops.aten._softmax.out(w, 1, False, out=w)
+    if w.T.is_contiguous() and not w.is_contiguous():
+        torch.ops.aten._softmax.out(w.T, 0, False, out=w.T)
+    else:
+        torch.ops.aten._softmax.out(w, 1, False, out=w)
     lse = peak - w.gather(1, at[:, None]).squeeze(1).log()
     return lse, target, total
 
