@@ -6,7 +6,9 @@
 #   2. the token counter at V=262144, 65536 targets/step, K=10000 (targets on the GPU);
 #   3. one geometry measurement and one bottleneck probe at V=131072, d=4096;
 #   4. host synchronisations per steady-state training step of every method through the HF Trainer
-#      (host_syncs.py: the dispatch-level count and CUDA's own, set_sync_debug_mode("warn"));
+#      (host_syncs.py: the dispatch-level count and CUDA's own, set_sync_debug_mode("warn")), and the
+#      session's own steady step of every method under set_sync_debug_mode("error") (strict_step.py,
+#      fp32 and bf16 autocast);
 #   5. with 2 GPUs or more: one HF Trainer step per engine on 2 processes over NCCL (hf_step.py --engine).
 # Budget: about 8 minutes on one recent GPU, most of it the counter's 10,200 CPU-side steps per law
 # and the first-call compilation of the Triton peers.
@@ -44,6 +46,8 @@ fi
 "$PYTHON" scale.py --device "$DEVICE" --threads "$THREADS" --section counter "${COUNTER[@]}"
 "$PYTHON" scale.py --device "$DEVICE" --dtype bf16 --threads "$THREADS" --section geometry "${GEOMETRY[@]}"
 "$PYTHON" host_syncs.py --device "$DEVICE" --steps 3 "${SYNCS[@]}"
+"$PYTHON" strict_step.py --device "$DEVICE" --dtype fp32 "${SYNCS[@]}"
+"$PYTHON" strict_step.py --device "$DEVICE" --dtype bf16 "${SYNCS[@]}"
 GPUS=0
 if [[ "$DEVICE" == cuda ]]; then GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())"); fi
 if (( GPUS >= 2 )); then

@@ -132,6 +132,7 @@ def test_gpu_script_smoke_mode_prints_every_table(tmp_path):
         assert done.stderr.count(f"{{'{variant}': 'ok'}}") == 2, variant
     assert "| zipf1.2 |" in out and "| uniform |" in out
     assert "host syncs per steady-state step" in out and re.search(r"\| agg \| \d+ \| 0 \| — \|", out)  # beyond the plain Trainer's: 0
+    assert out.count("| agg | 2 | ok |") == 2 and "0 of 3 methods read a value back" in out  # strict_step.py, fp32 and bf16
 
 
 def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
@@ -176,3 +177,24 @@ def test_vocab_parallel_benchmark_runs_two_ranks_and_their_loss_is_the_one_ranks
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ") and "V |" not in line]
     assert [r[1].strip() for r in rows] == ["512", "1000"] and all(r[8].strip() == "yes" for r in rows)
+
+
+def test_the_strict_step_names_a_host_read_in_the_sessions_step(monkeypatch):
+    """benchmarks/strict_step.py on the CPU counts the reads of the session's steady steps: none
+    for AGG and CosReg; one planted in `end_step` is reported with its line."""
+    sys.path.insert(0, BENCH)
+    import strict_step
+
+    from aniso_plugins.core.session import TrainingSession
+
+    assert strict_step.steady_steps("agg", "cpu", torch.float32) == "ok"
+    assert strict_step.steady_steps("cosreg", "cpu", torch.float32) == "ok"
+    original = TrainingSession.end_step
+
+    def reads_back(self, step):
+        float(torch.ones(2).sum())
+        return original(self, step)
+
+    monkeypatch.setattr(TrainingSession, "end_step", reads_back)
+    result = strict_step.steady_steps("agg", "cpu", torch.float32)
+    assert result.startswith("2 host reads: ") and "test_benchmarks_smoke.py" in result, result
