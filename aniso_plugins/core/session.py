@@ -71,7 +71,6 @@ def _in_world(method: Callable) -> Callable:
     return in_layout_world
 
 
-
 def guard_module_hooks() -> None:
     """Make ``torch.compile`` notice the hooks a session adds to and removes from the model.
 
@@ -87,6 +86,7 @@ def guard_module_hooks() -> None:
         torch._dynamo.config.skip_nnmodule_hook_guards = False
         torch._dynamo.reset()
         logger.info("aniso: torch.compile now guards on module hooks (skip_nnmodule_hook_guards=False)")
+
 
 class TrainingSession:
     """One training run's plugins plus the adapter-side bookkeeping.

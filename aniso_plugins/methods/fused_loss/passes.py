@@ -34,7 +34,7 @@ FLOOR_ROWS = 64
 reads W twice and dW twice, which at fewer rows costs more than a second logits GEMM over
 vocabulary blocks (docs/performance.md §11.4)."""
 TRANSPOSED_ROWS = 128
-"""On the CPU, a float32 tile of whole rows of at most this many rows is computed as Wᵀ-major
+"""On the CPU, a float32 tile of whole rows of at most this many rows is held ids-major
 (ids × rows, `Tile`): the logits GEMM of a few rows runs 1.2-1.5× faster as W Xᵀ than as X Wᵀ there,
 and the softmax is then a reduction over the contiguous dimension's rows (docs/performance.md §11.4)."""
 MIN_TILE_BYTES = 2**20
