@@ -7,6 +7,9 @@ the GPU pays").
   data (``nonzero``, ``unique``, ``masked_select``, boolean-mask indexing, ``repeat_interleave``
   without ``output_size``), and ``bincount`` (CUDA reads the ids' range back, also with
   ``minlength``). Run the same window of training steps with and without a method and subtract.
+  Copies to the host (``.cpu()``, ``.tolist()``, ``.numpy()``) count one each, whatever their size;
+  reads of host copies (`aniso_plugins.numerics.host_copy.to_host`, and what is computed from
+  them alone) are not counted: the copy itself is the one read.
 - `fake_cuda`: PyTorch's `FakeTensorMode` with a fake ``cuda`` device on this CPU-only machine: ops
   compute shapes, dtypes and devices only, and raise where they would read a value back
   (``DataDependentOutputException``, ``DynamicOutputShapeException``) or where a host tensor meets
@@ -21,6 +24,8 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from aniso_plugins.numerics.host_copy import HOST_COPY_MARK
 
 aten = torch.ops.aten
 
@@ -54,6 +59,28 @@ class HostSyncs(TorchDispatchMode):
         self.counts: collections.Counter[str] = collections.Counter()
         self.sites: collections.Counter[str] = collections.Counter()
         self._where = where
+        self._patched: list[tuple[str, object]] = []
+
+    def __enter__(self):
+        # a copy to the host is a read too (one per call, whatever its size); it does not reach
+        # the dispatcher where the tensor is on the CPU already, so the methods are wrapped
+        for name in ("tolist", "cpu", "numpy"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, _name=name, **kwargs):
+                if not getattr(tensor, HOST_COPY_MARK, False) and tensor.device.type != "meta":
+                    self._count(_name)
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+            self._patched.append((name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in reversed(self._patched):
+            setattr(torch.Tensor, name, original)
+        self._patched = []
+        return super().__exit__(*exc)
 
     @property
     def total(self) -> int:
@@ -64,7 +91,8 @@ class HostSyncs(TorchDispatchMode):
         if self._where:
             import traceback
 
-            frames = [f for f in traceback.extract_stack()[:-3] if "/torch/" not in f.filename]
+            frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename
+                      and not f.filename.endswith("device_discipline.py")]
             caller = frames[-1] if frames else None  # the innermost frame outside torch: who asked
             ours = caller is not None and any(part in caller.filename for part in _OURS)
             site = f"{caller.filename.split('/')[-1]}:{caller.lineno} {caller.name}" if caller else "?"
@@ -73,6 +101,13 @@ class HostSyncs(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         packet = func._overloadpacket
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(getattr(t, HOST_COPY_MARK, False) for t in tensors):  # host memory (`to_host`)
+            out = func(*args, **kwargs)
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    setattr(t, HOST_COPY_MARK, True)
+            return out
         if packet is aten._local_scalar_dense:
             self._count("item")
         elif packet in _SHAPE_FROM_DATA:

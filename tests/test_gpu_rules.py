@@ -314,3 +314,42 @@ def test_the_session_step_runs_on_a_fake_cuda_device(name, dtype):
             out = model(ids)
             assert out.device.type == "cuda"
             session.end_step(step)
+
+
+def test_to_host_copies_every_tensor_at_once_with_its_dtype_and_shape():
+    """`to_host`: one copy of mixed dtypes and shapes (float64 / int64 / float32 / int32 / bool,
+    0-d to 2-d), each back with its own values; reading them is not a device read."""
+    from aniso_plugins.numerics.host_copy import HOST_COPY_MARK, to_host
+
+    values = {"a": torch.tensor(3.25, dtype=torch.float64), "b": torch.tensor([1, -2, 3]),
+              "c": torch.tensor([True, False, True]), "d": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+              "e": torch.tensor(7, dtype=torch.int32)}
+    with HostSyncs() as syncs:
+        host = to_host(values)
+        numbers = {k: v.tolist() for k, v in host.items()}
+    assert syncs.total == 1  # the one copy (`.cpu()` of the packed bytes)
+    assert numbers == {"a": 3.25, "b": [1, -2, 3], "c": [True, False, True], "d": [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], "e": 7}
+    assert all(host[k].dtype == v.dtype and host[k].shape == v.shape and getattr(host[k], HOST_COPY_MARK) for k, v in values.items())
+
+
+@pytest.mark.slow
+def test_a_measurement_reads_each_metric_family_back_at_once():
+    """Host reads of one measurement per metric family (benchmarks/host_syncs.py --measurement,
+    a copy to the host counting one): geometry two (the row count for the spectra's k, then every
+    value), frequency two (the groups' sizes, then every value), every other family one batched
+    copy. Before: geometry 55, frequency 30, under_trained 14, ethayarajh 11, eval 9, bottleneck 8,
+    uniformity 7, hidden 2 (one per value read and per boolean selection)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import host_syncs
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    most = {"geometry": 2, "frequency": 2, "hidden": 1, "bottleneck": 1, "uniformity": 1, "ethayarajh": 1,
+            "under_trained": 1, "eval": 1}
+    reads = {family: host_syncs.measurement(family) for family in most}
+    assert all(per_call <= most[family] for family, (per_call, _) in reads.items()), reads
+    assert reads["geometry"][0] == 2, reads["geometry"]

@@ -11,9 +11,15 @@ they stand in zeros for the values.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
+
+HOST_COPY_MARK = "_aniso_host_copy"
+"""Attribute set on the host tensors `to_host` returns and `HostCopy` holds (tests/device_discipline.py's
+`HostSyncs` does not count reads of them, nor of what is computed from them alone: host memory)."""
 
 _NUMPY = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.float32: np.float32,
           torch.float64: np.float64}
@@ -47,6 +53,8 @@ class HostCopy:
             self._event.record()
         else:
             self._host = tensor.to("cpu", copy=True)
+        if self._array is None:
+            setattr(self._host, HOST_COPY_MARK, True)  # host memory: reading it waits for nothing but `_event`
 
     def result(self) -> np.ndarray:
         if self._event is not None:
@@ -77,4 +85,49 @@ def to_device(values: np.ndarray | torch.Tensor, device: torch.device | str) -> 
     return values.to(device, non_blocking=True)
 
 
-__all__ = ["HostCopy", "is_fake", "to_device"]
+__all__ = ["HOST_COPY_MARK", "HostCopy", "is_fake", "read_values", "to_device", "to_host"]
+
+
+def read_values(tree):
+    """`tree` (nested dicts of 0-d tensors and Python numbers) with every tensor read back as a
+    float in one transfer: the tensors stacked in float64 on the device of the first and copied to
+    the host once (one read where there would be one per value)."""
+    leaves: list[torch.Tensor] = []
+
+    def collect(node):
+        if isinstance(node, dict):
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, torch.Tensor):
+            leaves.append(node)
+
+    collect(tree)
+    values = iter(torch.stack([t.detach().to(leaves[0].device, torch.float64).reshape(()) for t in leaves]).tolist()
+                  if leaves else [])
+
+    def rebuild(node):
+        if isinstance(node, dict):
+            return {key: rebuild(value) for key, value in node.items()}
+        return next(values) if isinstance(node, torch.Tensor) else node
+
+    return rebuild(tree)
+
+
+
+def to_host(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` copied to host memory in one transfer (one wait for the device instead of one per
+    value read from them): their bytes in one buffer (widest elements first, so that every
+    part stays aligned), copied at once, each returned as a host tensor of its dtype and shape.
+    A measurement finishes its metrics from these with plain tensor code."""
+    items = sorted(((k, t.detach()) for k, t in tensors.items()), key=lambda kv: -kv[1].element_size())
+    if not items:
+        return {}
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+    host = torch.cat(parts).cpu()
+    out, start = {}, 0
+    for (name, t), part in zip(items, parts):
+        value = host[start : start + part.numel()].view(t.dtype).reshape(t.shape)
+        setattr(value, HOST_COPY_MARK, True)
+        out[name] = value
+        start += part.numel()
+    return out

@@ -12,6 +12,7 @@ accumulates them in float64, so no float64 V×d copy and no float64 V×d² produ
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -156,15 +157,13 @@ def eigh_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     NaN (eigenvalues and eigenvectors), so every metric computed from it reads NaN instead of the
     solver raising; the monitoring plugins report how many entries were non-finite."""
     gram = gram.to(torch.float64)
-    if not bool(torch.isfinite(gram).all()):
-        nan = torch.full_like(gram, float("nan"))
-        return nan[0], nan
-    lam, vec = torch.linalg.eigh(gram)
+    finite = torch.isfinite(gram).all()  # decided on the device: no value read back
+    lam, vec = torch.linalg.eigh(torch.where(finite, gram, torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)))
     lam, vec = lam.flip(0), vec.flip(1)
     lam = torch.where(lam > gram.shape[0] * torch.finfo(torch.float64).eps * lam[:1].clamp_min(0), lam, 0.0)
     pivot = vec.abs().argmax(0)
     sign = torch.sign(vec.gather(0, pivot[None]).squeeze(0))
-    return lam, vec * torch.where(sign == 0, 1.0, sign)
+    return torch.where(finite, lam, math.nan), torch.where(finite, vec * torch.where(sign == 0, 1.0, sign), math.nan)
 
 
 class _SumMeanGrad(torch.autograd.Function):

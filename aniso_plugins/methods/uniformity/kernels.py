@@ -296,8 +296,8 @@ def pair_logsumexp(
             (flagged[s : s + block], own_diagonal(lo, hi - lo, s, block, len(full), None)) for s in range(0, len(full), block)
         )
         log_total, _ = _exact_sums(unit[lo:hi], valid[lo:hi], columns, float(t), False, None)
-        if not torch.isfinite(full).all():  # a NaN row would otherwise drop out as a zero row
-            log_total = torch.full_like(log_total, math.nan)
+        # a NaN row would otherwise drop out as a zero row (decided on the device: no host read)
+        log_total = torch.where(torch.isfinite(full).all(), log_total, math.nan)
         pairs = valid[lo:hi].sum(dtype=torch.float64) * (valid.sum(dtype=torch.float64) - 1).clamp_min(0)
         return log_total, pairs
 

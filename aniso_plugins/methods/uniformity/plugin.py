@@ -49,6 +49,7 @@ from aniso_plugins.core.plugins import logger
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.methods.uniformity.kernels import row_uniformity, uniformity_finish, uniformity_stats
 from aniso_plugins.numerics.distributed import chunk_bounds, local_rows, rank_and_world
+from aniso_plugins.numerics.host_copy import to_host
 from aniso_plugins.numerics.reduce import Stat, batch_scope
 
 HEAD_TERM = "uniformity_head"
@@ -179,10 +180,9 @@ class UniformityMetricPlugin(Plugin):
         else:
             ids = torch.randperm(total, generator=torch.Generator().manual_seed(step.step))[:k].to(device)
         own = ids - weight.offset
-        mine = (own >= 0) & (own < weight.rows.shape[0])
-        buffer = torch.zeros(k, weight.rows.shape[1], dtype=torch.float64, device=device)
-        buffer[mine] = weight.rows[own[mine]].to(torch.float64)
-        return buffer
+        mine = (own >= 0) & (own < weight.rows.shape[0])  # this rank's sampled rows; the others 0 (no host read)
+        rows = weight.rows.index_select(0, own.clamp(0, max(weight.rows.shape[0] - 1, 0))).to(torch.float64)
+        return torch.where(mine[:, None], rows, 0.0)
 
     def train_stats(self, step: StepInfo, round_index: int, reduced: Mapping[str, torch.Tensor]) -> dict[str, Stat] | None:
         if round_index > 1:
@@ -204,6 +204,7 @@ class UniformityMetricPlugin(Plugin):
         if HEAD_PREFIX + "pairs" not in reduced:
             return None
         self._hidden = None
+        reduced = to_host({k: v for k, v in reduced.items() if k.startswith((HEAD_PREFIX, HIDDEN_PREFIX))})  # one read
         out = {"uniformity/head": uniformity_finish(reduced, HEAD_PREFIX)}
         out["uniformity/hidden"] = uniformity_finish(reduced, HIDDEN_PREFIX)
         for name, value in out.items():

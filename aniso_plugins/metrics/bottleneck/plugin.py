@@ -63,6 +63,7 @@ from aniso_plugins.metrics.bottleneck.probe import (
     update_efficiency_stats,
 )
 from aniso_plugins.numerics.distributed import local_rows, rank_and_world
+from aniso_plugins.numerics.host_copy import to_host
 from aniso_plugins.numerics.linalg import gram_stats_blocked
 from aniso_plugins.numerics.reduce import Stat
 
@@ -252,6 +253,9 @@ class BottleneckPlugin(Plugin):
         if self._probe is None:
             return None
         self._probe = self._efficiency = None
+        finishing = [PREFIX + name for name in ("tokens", "grad_sq", "kept_sq", "kept_cosine", "kept_ratio")]
+        # the measurement's one read: the probe's sums (not its d × d Gram) and the efficiency's
+        reduced = to_host({k: v for k, v in reduced.items() if k in finishing or k.startswith(EFFICIENCY)})
         out = {PREFIX + name: value for name, value in bottleneck_finish(reduced, PREFIX).items()}
         if self.efficiency:
             metrics = update_efficiency_finish(reduced, self.eps, EFFICIENCY)

@@ -76,18 +76,17 @@ def bottleneck_stats(
         raise ValueError(f"gram must be ({dh.shape[1]}, {dh.shape[1]}), got {tuple(gram.shape)}")
     lam, vec = eigh_gram(gram)
     inv = torch.where(lam > 0, 1.0 / lam.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
-    keep = grad_sq > 0
-    g2 = grad_sq[keep].to(torch.float64)
-    coef = dh[keep].to(device=vec.device, dtype=torch.float64) @ vec
-    kept = (coef.square() * inv).sum(1).to(g2.device)
-    ratio = (kept / g2).clamp(0.0, 1.0)
-    f64 = {"dtype": torch.float64, "device": g2.device}
+    keep = grad_sq > 0  # the probed tokens; the others weigh 0 (no row selected: no host read)
+    g2 = torch.where(keep, grad_sq.to(torch.float64), 0.0)
+    coef = dh.to(device=vec.device, dtype=torch.float64) @ vec
+    kept = torch.where(keep, (coef.square() * inv).sum(1).to(g2.device), 0.0)
+    ratio = torch.where(keep, kept / torch.where(keep, g2, 1.0), 0.0).clamp(0.0, 1.0)
     return {
         f"{prefix}grad_sq": Stat(g2.sum()),
         f"{prefix}kept_sq": Stat(torch.minimum(kept, g2).sum()),
         f"{prefix}kept_ratio": Stat(ratio.sum()),
         f"{prefix}kept_cosine": Stat(ratio.sqrt().sum()),
-        f"{prefix}tokens": Stat(torch.tensor(float(g2.numel()), **f64)),
+        f"{prefix}tokens": Stat(keep.sum(dtype=torch.float64)),
     }
 
 

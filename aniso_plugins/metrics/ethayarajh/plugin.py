@@ -40,11 +40,13 @@ from aniso_plugins.metrics.ethayarajh.stats import (
     baseline_pair_share,
     choose_words,
     empty_layer_stats,
-    layer_finish,
+    finish_layer_parts,
+    layer_parts,
     layer_stats,
     token_positions,
     word_counts,
 )
+from aniso_plugins.numerics.host_copy import to_host
 from aniso_plugins.numerics.reduce import Stat, batch_scope, reduce_stats
 
 PREFIX = "ethayarajh/"
@@ -147,9 +149,13 @@ class EthayarajhPlugin(Plugin):
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         out: dict[str, float] = {}
+        parts = {f"{i}/{name}": value for i in range(self.layers)
+                 for name, value in layer_parts(reduced, f"{PREFIX}layer_{i}/").items()}
+        host = to_host(parts)  # the measurement's one read: a few numbers per word and layer
         for i in range(self.layers):
             prefix = f"{PREFIX}layer_{i}/"
-            nonfinite = int(reduced[prefix + "nonfinite"])
+            layer = {name: host[f"{i}/{name}"] for name in ("counts", "sq", "tt", "to", "intra_sum", "intra_count", "nonfinite")}
+            nonfinite = int(layer["nonfinite"])
             if nonfinite:
                 self._warn_once(
                     f"nonfinite{i}",
@@ -159,7 +165,7 @@ class EthayarajhPlugin(Plugin):
                     nonfinite,
                     step.step,
                 )
-            out |= {prefix + key: value for key, value in layer_finish(reduced, prefix).items()}
+            out |= {prefix + key: value for key, value in finish_layer_parts(layer).items()}
         words = self._words
         out[PREFIX + "words"] = float(len(words.words)) if words is not None else 0.0
         out[PREFIX + "repeated_words"] = float(words.repeated) if words is not None else 0.0

@@ -227,28 +227,44 @@ def _sentence_sums(xb: torch.Tensor, u: torch.Tensor, nonzero: torch.Tensor, sen
     return mean, unit_sum, n
 
 
+def layer_parts(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
+    """What `layer_finish` needs of the reduced `layer_stats`, reduced further on their device to
+    a few numbers per word (nothing read back): the counts, each slot's ‖Σ u‖², the tracked
+    words' s_t·s_t and s_t·s_o, the sentence sums and the non-finite count."""
+    sums, counts = reduced[prefix + "word_sums"], reduced[prefix + "word_counts"]
+    k = counts.shape[0] - 2
+    # tracked words (chosen + seen once) and the repeated words beyond the cap (slot k)
+    s_t, s_o = sums[:k].sum(0) + sums[k + 1], sums[k]
+    return {"counts": counts, "sq": (sums * sums).sum(1), "tt": s_t @ s_t, "to": s_t @ s_o,
+            "intra_sum": reduced[prefix + "intra_sum"], "intra_count": reduced[prefix + "intra_count"],
+            "nonfinite": reduced[prefix + "nonfinite"]}
+
+
 def layer_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, float]:
     """SelfSim (mean over the chosen words with two or more nonzero occurrences), IntraSim
     (mean over sentences), the baseline, and both adjusted by it (raw − baseline), from the
     reduced `layer_stats`. NaN where undefined (no such word, sentence or pair) and for every
     metric of a layer with non-finite entries."""
-    sums, counts = reduced[prefix + "word_sums"], reduced[prefix + "word_counts"]
-    if float(reduced[prefix + "nonfinite"]) > 0:
+    return finish_layer_parts(layer_parts(reduced, prefix))
+
+
+def finish_layer_parts(parts: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """`layer_finish` from `layer_parts` (read on the host: a measurement copies every layer's
+    parts at once, `aniso_plugins.numerics.host_copy.to_host`)."""
+    counts, sq = parts["counts"], parts["sq"]
+    if float(parts["nonfinite"]) > 0:
         return dict.fromkeys(METRICS, math.nan)
     k = counts.shape[0] - 2
-    sq = (sums * sums).sum(1)
     n_w, sq_w = counts[:k], sq[:k]
     measured = n_w >= 2
     per_word = (sq_w[measured] - n_w[measured]) / (n_w[measured] ** 2 - n_w[measured])
     self_sim = float(per_word.mean()) if per_word.numel() else math.nan
-    # tracked words (chosen + seen once) and the repeated words beyond the cap (slot k)
-    s_t, s_o = sums[:k].sum(0) + sums[k + 1], sums[k]
     n_t, n_o, n_once = n_w.sum() + counts[k + 1], counts[k], counts[k + 1]
-    pair_sum = s_t @ s_t - sq_w.sum() - n_once + 2 * (s_t @ s_o)
+    pair_sum = parts["tt"] - sq_w.sum() - n_once + 2 * parts["to"]
     pair_count = n_t**2 - (n_w**2).sum() - n_once + 2 * n_t * n_o
     baseline = float(pair_sum / pair_count) if pair_count > 0 else math.nan
-    intra_count = float(reduced[prefix + "intra_count"])
-    intra = float(reduced[prefix + "intra_sum"]) / intra_count if intra_count > 0 else math.nan
+    intra_count = float(parts["intra_count"])
+    intra = float(parts["intra_sum"]) / intra_count if intra_count > 0 else math.nan
     return {
         "self_sim": self_sim,
         "self_sim_adjusted": self_sim - baseline,
@@ -265,7 +281,9 @@ __all__ = [
     "baseline_pair_share",
     "choose_words",
     "empty_layer_stats",
+    "finish_layer_parts",
     "layer_finish",
+    "layer_parts",
     "layer_stats",
     "token_positions",
     "word_counts",

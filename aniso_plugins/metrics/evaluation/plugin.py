@@ -26,6 +26,7 @@ from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.frequency.groups import GROUPS, frequency_groups
 from aniso_plugins.metrics.frequency.target_counts import TargetCountsPlugin
+from aniso_plugins.numerics.host_copy import to_host
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 from aniso_plugins.numerics.reduce import Stat
 
@@ -96,9 +97,11 @@ class EvalPlugin(Plugin):
     ) -> dict[str, float] | None:
         if kind != "eval":
             return None
-        nll, tokens, predicted = reduced["eval/nll"], reduced["eval/tokens"], reduced["eval/predicted"]
         groups = frequency_groups(self.counts.ready().counts, self.config.group_fractions,
-                                  seen_only=self.config.group_tokens == "seen").to(nll.device)
+                                  seen_only=self.config.group_tokens == "seen")
+        host = to_host({"nll": reduced["eval/nll"], "tokens": reduced["eval/tokens"], "predicted": reduced["eval/predicted"],
+                        "groups": groups})  # the measurement's one read: the rest is host arithmetic
+        nll, tokens, predicted, groups = host["nll"], host["tokens"], host["predicted"], host["groups"]
         out = {"eval/ppl": _perplexity(nll.sum(), tokens.sum()), "eval/uniq": float(predicted.sum())}
         for index, group in enumerate(GROUPS):
             member = groups == index

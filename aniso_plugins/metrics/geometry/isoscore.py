@@ -17,24 +17,28 @@ from aniso_plugins.numerics.reduce import reduce_stats
 
 
 def isoscore_from_variances(variances: torch.Tensor) -> float:
+    """`isoscore_value` as a float."""
+    return float(isoscore_value(variances))
+
+
+def isoscore_value(variances: torch.Tensor) -> torch.Tensor:
     """Steps 3–5 of IsoScore from Σ_D, the variances of the points along their n principal
     axes (any common scale: covariance eigenvalues, with or without the 1/(m − 1)):
 
         Σ̂_D = √n Σ_D / ‖Σ_D‖₂,   δ = ‖Σ̂_D − 1‖₂ / √(2(n − √n)),
         ι = ((n − δ²(n − √n))² − n) / (n(n − 1))  ∈ [0, 1]   (1 = isotropic).
 
-    NaN when all variances are 0; requires n ≥ 2."""
+    A 0-d tensor (nothing read back); NaN when all variances are 0; requires n ≥ 2."""
     var = variances.to(torch.float64)
     n = var.numel()
     if n < 2:
         raise ValueError(f"IsoScore needs points of dimension n >= 2, got n={n}")
     norm = var.norm()
-    if norm == 0:
-        return math.nan
     rn = math.sqrt(n)
-    normalized = rn * var / norm
-    delta = float((normalized - 1).norm()) / math.sqrt(2 * (n - rn))
-    return ((n - delta**2 * (n - rn)) ** 2 - n) / (n * (n - 1))
+    normalized = rn * var / torch.where(norm == 0, 1.0, norm)
+    delta = (normalized - 1).norm() / math.sqrt(2 * (n - rn))
+    score = ((n - delta.square() * (n - rn)) ** 2 - n) / (n * (n - 1))
+    return torch.where(norm == 0, math.nan, score)
 
 
 def isoscore(points: torch.Tensor) -> float:
@@ -54,4 +58,4 @@ def isoscore(points: torch.Tensor) -> float:
     return isoscore_from_variances(spec.eigenvalues)
 
 
-__all__ = ["isoscore", "isoscore_from_variances"]
+__all__ = ["isoscore", "isoscore_from_variances", "isoscore_value"]

@@ -22,21 +22,22 @@ from typing import Any
 
 import torch
 
-from aniso_plugins.metrics.geometry.isoscore import isoscore_from_variances
+from aniso_plugins.metrics.geometry.isoscore import isoscore_value
 from aniso_plugins.metrics.geometry.stats import (
     Spectrum,
     isotropy_directions,
-    isotropy_finish,
     isotropy_stats,
+    log_isotropy_value,
     matrix_rows,
-    mean_cosine_finish,
     mean_cosine_stats,
+    mean_cosine_value,
     mean_row,
     mean_stats,
     moment_stats,
     moments,
     nonfinite_count,
 )
+from aniso_plugins.numerics.host_copy import read_values
 from aniso_plugins.numerics.reduce import Stat, reduce_stats
 
 FORMS = ("raw", "centered")
@@ -78,7 +79,8 @@ class GeometryRounds:
             self.spectra, self.mean = {}, None
             return True
         m = moments(reduced, self.prefix)
-        self.spectra = {form: Spectrum.from_moments(m, center=form == "centered") for form in self.forms}
+        rows = int(m.count.item())  # V: the one read of this round (the spectra's k = min(V, d))
+        self.spectra = {form: Spectrum.from_moments(m, form == "centered", rows) for form in self.forms}
         self.mean = mean_row(reduced, self.prefix) if "centered" in self.forms else None
         return True
 
@@ -118,22 +120,25 @@ class GeometryRounds:
     def finish(self, reduced: Reduced) -> dict[str, Any]:
         """The metrics from all rounds' reduced statistics: ``{form: {"isotropy": I(W)}}``, and
         with ``full``: ``nonfinite``, ``isoscore`` (of the centred spectrum) and per form
-        ``mean_cosine``, ``isotropy``, `Spectrum.summary` and ``w_error_half_rank``."""
+        ``mean_cosine``, ``isotropy``, `Spectrum.summary` and ``w_error_half_rank``. Every value
+        is computed on the statistics' device and read back at once (`read_values`)."""
         p = self.prefix
         if not self.full:
-            return {form: {"isotropy": isotropy_finish(reduced, f"{p}{form}/")} for form in self.forms}
+            return read_values({form: {"isotropy": log_isotropy_value(reduced, f"{p}{form}/").exp()} for form in self.forms})
         out: dict[str, Any] = {
-            "nonfinite": int(reduced[p + "nonfinite"]),
-            "isoscore": isoscore_from_variances(self.spectra["centered"].eigenvalues),
+            "nonfinite": reduced[p + "nonfinite"],
+            "isoscore": isoscore_value(self.spectra["centered"].eigenvalues),
         }
         for form in FORMS:
             spec = self.spectra[form]
             out[form] = {
-                "mean_cosine": mean_cosine_finish(reduced, f"{p}{form}/"),
-                "isotropy": isotropy_finish(reduced, f"{p}{form}/"),
-                **spec.summary(),
-                "w_error_half_rank": spec.w_error(spec.size // 2),
+                "mean_cosine": mean_cosine_value(reduced, f"{p}{form}/"),
+                "isotropy": log_isotropy_value(reduced, f"{p}{form}/").exp(),
+                **spec.summary_values(),
+                "w_error_half_rank": spec.w_error_value(spec.size // 2),
             }
+        out = read_values(out)
+        out["nonfinite"] = int(out["nonfinite"])
         return out
 
 

@@ -34,6 +34,7 @@ from typing import Literal
 import torch
 
 from aniso_plugins.numerics.distributed import local_rows
+from aniso_plugins.numerics.host_copy import read_values
 from aniso_plugins.numerics.linalg import GramStats, covariance, eigh_gram, gram_stats_blocked
 from aniso_plugins.numerics.reduce import Stat, reduce_stats
 
@@ -117,29 +118,37 @@ def mean_cosine_stats(rows: torch.Tensor, prefix: str = "", mean: torch.Tensor |
         if mean is not None:
             x = x - mean
         norm = x.norm(dim=1)
-        keep = norm > 0
-        s += (x[keep] / norm[keep, None]).sum(0)
+        keep = norm > 0  # a zero row adds 0 / 1 to s: no row is selected (no host read)
+        s += (x / torch.where(keep, norm, 1.0)[:, None]).sum(0)
         n += keep.sum()
     return {f"{prefix}unit_sum": Stat(s), f"{prefix}nonzero": Stat(n)}
 
 
-def mean_cosine_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
+def mean_cosine_value(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
     """Mean of cos(x_i, x_j) over ordered pairs i ≠ j of nonzero rows,
-    (‖s‖² − n)/(n(n − 1)) (docs/methods.md §8; Gao et al. 2019; A(H) of Godey et al. 2024).
-    NaN when fewer than two rows are nonzero."""
-    s, n = reduced[f"{prefix}unit_sum"], float(reduced[f"{prefix}nonzero"])
-    if n < 2:
-        return math.nan
-    return float((s @ s - n) / (n * (n - 1)))
+    (‖s‖² − n)/(n(n − 1)) (docs/methods.md §8; Gao et al. 2019; A(H) of Godey et al. 2024), a
+    0-d tensor (nothing read back). NaN when fewer than two rows are nonzero."""
+    s, n = reduced[f"{prefix}unit_sum"], reduced[f"{prefix}nonzero"].to(torch.float64)
+    return torch.where(n < 2, math.nan, (s @ s - n) / (n * (n - 1)).clamp_min(1.0))
+
+
+def mean_cosine_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
+    """`mean_cosine_value` as a float."""
+    return float(mean_cosine_value(reduced, prefix))
+
+
+def cross_cosine_value(reduced: Mapping[str, torch.Tensor], prefix_a: str, prefix_b: str) -> torch.Tensor:
+    """Mean of cos(x_i, x_j) over i in set A, j in set B (nonzero rows; A and B disjoint), from
+    their `mean_cosine_stats`: s_A·s_B/(n_A n_B), a 0-d tensor (nothing read back). NaN when a
+    set has no nonzero row."""
+    n = reduced[f"{prefix_a}nonzero"].to(torch.float64) * reduced[f"{prefix_b}nonzero"].to(torch.float64)
+    value = reduced[f"{prefix_a}unit_sum"] @ reduced[f"{prefix_b}unit_sum"] / n.clamp_min(1.0)
+    return torch.where(n == 0, math.nan, value)
 
 
 def cross_cosine_finish(reduced: Mapping[str, torch.Tensor], prefix_a: str, prefix_b: str) -> float:
-    """Mean of cos(x_i, x_j) over i in set A, j in set B (nonzero rows; A and B disjoint), from
-    their `mean_cosine_stats`: s_A·s_B/(n_A n_B). NaN when a set has no nonzero row."""
-    n_a, n_b = float(reduced[f"{prefix_a}nonzero"]), float(reduced[f"{prefix_b}nonzero"])
-    if n_a == 0 or n_b == 0:
-        return math.nan
-    return float(reduced[f"{prefix_a}unit_sum"] @ reduced[f"{prefix_b}unit_sum"] / (n_a * n_b))
+    """`cross_cosine_value` as a float."""
+    return float(cross_cosine_value(reduced, prefix_a, prefix_b))
 
 
 # --- singular spectrum -----------------------------------------------------------------------
@@ -166,10 +175,11 @@ class Spectrum:
     center: bool
 
     @classmethod
-    def from_moments(cls, m: GramStats, center: bool) -> Spectrum:
-        """Spectrum from reduced `moment_stats` (`moments(reduced, prefix)`)."""
+    def from_moments(cls, m: GramStats, center: bool, rows: int | None = None) -> Spectrum:
+        """Spectrum from reduced `moment_stats` (`moments(reduced, prefix)`); `rows`: the count
+        V when the caller has read it already (else read here)."""
         lam, vec = eigh_gram(covariance(m, center))
-        return cls(lam, vec, int(m.count.item()), center)
+        return cls(lam, vec, int(m.count.item()) if rows is None else rows, center)
 
     @property
     def size(self) -> int:
@@ -188,13 +198,16 @@ class Spectrum:
         x = self.singular_values if variant == "sigma" else self.eigenvalues[: self.size]
         return x / x.sum()
 
-    def entropy(self, variant: Variant = "sigma") -> float:
-        """Shannon entropy H(p) = −Σ p_i ln p_i (0 ln 0 = 0) of `distribution(variant)`; NaN for W = 0."""
+    def entropy_value(self, variant: Variant = "sigma") -> torch.Tensor:
+        """Shannon entropy H(p) = −Σ p_i ln p_i (0 ln 0 = 0) of `distribution(variant)`, a 0-d
+        tensor (nothing read back); NaN for W = 0."""
         p = self.distribution(variant)
-        if not torch.isfinite(p).all():
-            return math.nan
-        p = p[p > 0]
-        return float(-(p * p.log()).sum())
+        h = -torch.where(p > 0, p * p.log(), 0.0).sum()
+        return torch.where(torch.isfinite(p).all(), h, math.nan)
+
+    def entropy(self, variant: Variant = "sigma") -> float:
+        """`entropy_value` as a float."""
+        return float(self.entropy_value(variant))
 
     def effective_rank(self, variant: Variant = "sigma") -> float:
         """erank = exp H(p) (docs/methods.md §8; seed 000 uses p_i = σ_i/Σσ, "sigma")."""
@@ -225,28 +238,40 @@ class Spectrum:
         (Eckart–Young), the W-error of Godey et al. 2024 (docs/methods.md §8)."""
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise ValueError(f"rank={rank!r}: expected an integer >= 0")
-        lam = self.eigenvalues
-        return math.sqrt(float(lam[rank:].sum() / lam.sum()))
+        return float(self.w_error_value(rank))
 
-    def summary(self) -> dict[str, float]:
+    def w_error_value(self, rank: int) -> torch.Tensor:
+        """`w_error` as a 0-d tensor (nothing read back)."""
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank={rank!r}: expected an integer >= 0")
+        lam = self.eigenvalues
+        return (lam[rank:].sum() / lam.sum()).sqrt()
+
+    def summary_values(self) -> dict[str, torch.Tensor]:
         """The scalar summaries of this spectrum that the geometry plugin and `aniso report`
-        log: ``effective_rank`` / ``effective_rank_sigma2``, ``singular_entropy`` /
-        ``singular_entropy_sigma2``, ``sigma_max``, ``sv_normalized_q25|q50|q75`` (σ_i/σ_max at a
-        quarter, half and three quarters of the way down the k singular values) and
-        ``variance_share_top1|top3``."""
+        log, as 0-d tensors (nothing read back; `summary` reads them): ``effective_rank`` /
+        ``effective_rank_sigma2``, ``singular_entropy`` / ``singular_entropy_sigma2``,
+        ``sigma_max``, ``sv_normalized_q25|q50|q75`` (σ_i/σ_max at a quarter, half and three
+        quarters of the way down the k singular values) and ``variance_share_top1|top3``."""
         normalized = self.normalized()
+        lam = self.eigenvalues
+        h = {variant: self.entropy_value(variant) for variant in ("sigma", "sigma2")}
         out = {
-            "effective_rank": self.effective_rank("sigma"),
-            "effective_rank_sigma2": self.effective_rank("sigma2"),
-            "singular_entropy": self.singular_entropy("sigma"),
-            "singular_entropy_sigma2": self.singular_entropy("sigma2"),
-            "sigma_max": float(self.singular_values[0]),
-            "variance_share_top1": self.variance_share(1),
-            "variance_share_top3": self.variance_share(min(3, self.eigenvalues.numel())),
+            "effective_rank": h["sigma"].exp(),
+            "effective_rank_sigma2": h["sigma2"].exp(),
+            "singular_entropy": math.log(self.size) - h["sigma"],
+            "singular_entropy_sigma2": math.log(self.size) - h["sigma2"],
+            "sigma_max": self.singular_values[0],
+            "variance_share_top1": lam[:1].sum() / lam.sum(),
+            "variance_share_top3": lam[: min(3, lam.numel())].sum() / lam.sum(),
         }
         for q in SV_QUANTILES:
-            out[f"sv_normalized_q{round(100 * q)}"] = float(normalized[int(q * (normalized.numel() - 1))])
+            out[f"sv_normalized_q{round(100 * q)}"] = normalized[int(q * (normalized.numel() - 1))]
         return out
+
+    def summary(self) -> dict[str, float]:
+        """`summary_values`, read back at once (one transfer)."""
+        return read_values(self.summary_values())
 
 
 # --- isotropy I(W) ---------------------------------------------------------------------------
@@ -272,10 +297,15 @@ def isotropy_stats(
     return {f"{prefix}log_z": Stat(log_z, "lse")}
 
 
-def log_isotropy_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
-    """log I(W) = min_a log Z(a) − max_a log Z(a), from reduced `isotropy_stats`."""
+def log_isotropy_value(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+    """log I(W) = min_a log Z(a) − max_a log Z(a), from reduced `isotropy_stats` (a 0-d tensor)."""
     log_z = reduced[f"{prefix}log_z"]
-    return float(log_z.min() - log_z.max())
+    return log_z.min() - log_z.max()
+
+
+def log_isotropy_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
+    """`log_isotropy_value` as a float."""
+    return float(log_isotropy_value(reduced, prefix))
 
 
 def isotropy_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
@@ -344,14 +374,17 @@ __all__ = [
     "Spectrum",
     "Variant",
     "cross_cosine_finish",
+    "cross_cosine_value",
     "effective_rank",
     "isotropy_directions",
     "isotropy_finish",
     "isotropy_stats",
     "log_isotropy_finish",
+    "log_isotropy_value",
     "matrix_rows",
     "mean_cosine",
     "mean_cosine_finish",
+    "mean_cosine_value",
     "mean_cosine_stats",
     "mean_row",
     "mean_stats",

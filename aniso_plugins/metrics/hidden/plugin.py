@@ -30,7 +30,8 @@ from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.model import ModelHandle
 from aniso_plugins.core.plugin_base import Plugin
 from aniso_plugins.core.steps import StepInfo
-from aniso_plugins.metrics.geometry.stats import mean_cosine_finish, mean_cosine_stats
+from aniso_plugins.metrics.geometry.stats import mean_cosine_stats, mean_cosine_value
+from aniso_plugins.numerics.host_copy import read_values
 from aniso_plugins.numerics.distributed import rank_and_world
 from aniso_plugins.numerics.reduce import Stat
 
@@ -98,7 +99,7 @@ class HiddenStatesPlugin(Plugin):
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         layers = range(self.layers)
-        out = {f"hidden/layer_{i}/mean_cosine": mean_cosine_finish(reduced, f"hidden/layer_{i}/") for i in layers}
+        out = read_values({f"hidden/layer_{i}/mean_cosine": mean_cosine_value(reduced, f"hidden/layer_{i}/") for i in layers})
         self._stats = {}
         return out
 

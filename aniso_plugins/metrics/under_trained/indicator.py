@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS, Spectrum, moment_stats, moments
+from aniso_plugins.metrics.geometry.stats import BLOCK_ROWS, moment_stats, moments
+from aniso_plugins.numerics.linalg import covariance, eigh_gram
 from aniso_plugins.numerics.reduce import Stat, reduce_stats
 
 Reduced = Mapping[str, torch.Tensor]
@@ -31,21 +32,23 @@ def reference_stats(rows: torch.Tensor, reference: torch.Tensor, prefix: str = "
     `moment_stats` (of the rows in the bool mask `gram_rows` only, a uniform sample that
     estimates c₁ where an exact Gram is too costly) and Σ_{j∈R} u_j, |R| (keys
     ``reference_sum``, ``reference_count``, always over every row)."""
-    picked = rows[reference].to(torch.float64)
+    total = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
+    for block, kept in zip(rows.split(BLOCK_ROWS), reference.split(BLOCK_ROWS)):  # R's rows by their weight 1 (no host read)
+        total += kept.to(torch.float64) @ block.to(torch.float64)
     return moment_stats(rows if gram_rows is None else rows[gram_rows], prefix) | {
-        prefix + "reference_sum": Stat(picked.sum(0)),
-        prefix + "reference_count": Stat(torch.tensor(float(picked.shape[0]), dtype=torch.float64, device=rows.device)),
+        prefix + "reference_sum": Stat(total),
+        prefix + "reference_count": Stat(reference.sum(dtype=torch.float64)),
     }
 
 
 def directions(reduced: Reduced, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """(c₁, r̂): the first principal direction and the unit reference direction P·mean_R u
     (zero when R is empty or its mean lies along c₁), float64."""
-    c1 = Spectrum.from_moments(moments(reduced, prefix), center=True).eigenvectors[:, 0]
+    c1 = eigh_gram(covariance(moments(reduced, prefix), center=True))[1][:, 0]
     s = reduced[prefix + "reference_sum"]
     r = s - (s @ c1) * c1
     norm = r.norm()
-    return c1, r / norm if norm > 0 else r
+    return c1, r / torch.where(norm > 0, norm, 1.0)
 
 
 def scores(rows: torch.Tensor, c1: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -62,13 +65,12 @@ def scores(rows: torch.Tensor, c1: torch.Tensor, r: torch.Tensor) -> torch.Tenso
 def score_stats(score: torch.Tensor, reference: torch.Tensor, threshold: float, prefix: str = "") -> dict[str, Stat]:
     """Round 1: over this rank's rows outside R, the number with score ≥ `threshold`
     (``suspected``), their count and score sum; the score sum inside R."""
-    outside = ~reference
-    f64 = dict(dtype=torch.float64, device=score.device)
+    outside = ~reference  # masks, not selections: no host read
     return {
-        prefix + "suspected": Stat(torch.tensor(float((score[outside] >= threshold).sum()), **f64)),
-        prefix + "outside_count": Stat(torch.tensor(float(outside.sum()), **f64)),
-        prefix + "outside_score_sum": Stat(score[outside].sum()),
-        prefix + "reference_score_sum": Stat(score[reference].sum()),
+        prefix + "suspected": Stat(((score >= threshold) & outside).sum(dtype=torch.float64)),
+        prefix + "outside_count": Stat(outside.sum(dtype=torch.float64)),
+        prefix + "outside_score_sum": Stat(torch.where(outside, score, 0.0).sum()),
+        prefix + "reference_score_sum": Stat(torch.where(reference, score, 0.0).sum()),
     }
 
 

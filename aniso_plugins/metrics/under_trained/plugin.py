@@ -21,6 +21,7 @@ from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.metrics.frequency.target_counts import TargetCountsPlugin
 from aniso_plugins.metrics.under_trained import indicator
 from aniso_plugins.numerics.distributed import local_rows
+from aniso_plugins.numerics.host_copy import to_host
 from aniso_plugins.numerics.reduce import Stat
 
 PREFIX = "under_trained/"
@@ -65,7 +66,9 @@ class UnderTrainedPlugin(Plugin):
 
     def train_metrics(self, step: StepInfo, reduced: Mapping[str, torch.Tensor]) -> dict[str, float] | None:
         self._reference = None
-        out = {PREFIX + k: v for k, v in indicator.finish(reduced, PREFIX).items()}
+        finishing = ("reference_count", "outside_count", "suspected", "outside_score_sum", "reference_score_sum")
+        host = to_host({PREFIX + k: reduced[PREFIX + k] for k in finishing})  # the measurement's one read
+        out = {PREFIX + k: v for k, v in indicator.finish(host, PREFIX).items()}
         if out[PREFIX + "mean_score"] != out[PREFIX + "mean_score"] and not self._warned:  # NaN
             self._warned = True
             logger.warning(
