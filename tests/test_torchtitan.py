@@ -333,16 +333,21 @@ def test_agg_counter_sums_all_ranks_and_two_ranks_train_like_one(runs):
 
 @pytest.mark.slow
 def test_agg_adds_no_host_read_to_torchtitans_step(runs):
-    """Step 3 (no measurement, no validation, no log line; not the step that fills AGG's window,
-    which reads its gating check once a run): AGG's fused loss, counter and gates add no host
-    read to stock torchtitan's step 3 (tests/device_discipline.py's HostSyncs)."""
+    """Step 3 (no validation; not the step that fills AGG's window, which reads its gating check
+    once a run): AGG's fused loss, counter and gates add no host read to stock torchtitan's step 3
+    (tests/device_discipline.py's HostSyncs). The launcher logs every step (``log_freq = 1``), so
+    the step ends with a measurement, whose one batched read of AGG's logged values is allowed
+    (docs/performance.md §12.2)."""
     stock, agg = runs["stock"], runs["from_stock"]  # AGG from stock's step-2 checkpoint: its window starts at step 3
     ours = {site: n for site, n in agg["host_sync_sites"].items() if not site.endswith("(not ours)")}
+    measured = {site: n for site, n in ours.items() if site.endswith(" train_metrics")}
+    assert all(n <= 1 for n in measured.values()), measured
+    ours = {site: n for site, n in ours.items() if site not in measured}
     # step 3 is the resumed process's first: torchdata's StatefulDataLoader creates its iterator
     # there (one .item() drawing the iterator's seed), as stock torchtitan resumed would; the
     # trainer's own reads are the same site by site
     first_iterator = {site for site in agg["host_sync_sites"] if "stateful_dataloader.py" in site and "__init__" in site}
-    trainer = {site: n for site, n in agg["host_sync_sites"].items() if site not in first_iterator}
+    trainer = {site: n for site, n in agg["host_sync_sites"].items() if site not in first_iterator and site not in measured}
     assert trainer == stock["host_sync_sites"] and not ours, (agg["host_sync_sites"], stock["host_sync_sites"])
     assert sum(n for site, n in agg["host_sync_sites"].items() if site in first_iterator) <= 1
 
