@@ -110,7 +110,7 @@ def test_a_hook_added_after_the_first_compiled_call_runs():
     """What a measurement step does under compilation (a probe hooks the head for one call): after
     set-up, a hook added to a submodule of a compiled, already-called model runs at the next call,
     and no longer after its removal."""
-    from aniso_plugins.core.session import guard_module_hooks
+    from aniso_plugins.core.model import guard_module_hooks
 
     guard_module_hooks()
     torch.manual_seed(0)

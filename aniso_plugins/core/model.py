@@ -12,6 +12,7 @@ Parameters, same tying, same forwards)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -45,6 +46,23 @@ def _set(root: nn.Module, path: str, module: nn.Module) -> None:
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, list[ModelHandle]] = weakref.WeakKeyDictionary()
 """Per model, the handles whose journal holds changes to it (what `detach` undoes)."""
 
+
+
+def guard_module_hooks() -> None:
+    """Make ``torch.compile`` notice the hooks a session adds to and removes from the model.
+
+    dynamo skips guards on ``nn.Module`` hooks by default (``torch._dynamo.config.
+    skip_nnmodule_hook_guards``): a forward compiled before a hook was added, or after one was
+    removed, runs as it was traced, so a loss term or measurement hook that is added at set-up or at
+    a measurement step would be silently ignored (or a removed one still run) under compilation. The
+    session turns those guards on for the process; where they were off, graphs compiled so far
+    (without them) are discarded once (``torch._dynamo.reset``) so that none is reused unguarded."""
+    import torch._dynamo
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+        logging.getLogger("aniso_plugins").info("aniso: torch.compile now guards on module hooks (skip_nnmodule_hook_guards=False)")
 
 class ModelHandle:
     """Access to a causal LM's head, input embedding and blocks by submodule path.

@@ -47,7 +47,7 @@ from aniso_plugins.core.errors import StateError
 from aniso_plugins.core.layout import ParallelLayout
 from aniso_plugins.core.loss import attach_loss, zero_through
 from aniso_plugins.core.loss_scale import GradScaler, amp_scale
-from aniso_plugins.core.model import ModelHandle, SetupError
+from aniso_plugins.core.model import ModelHandle, SetupError, guard_module_hooks
 from aniso_plugins.core.plugins import AnisoPlugins
 from aniso_plugins.core.state import RESET_HINT, check_compatible, load_state, remove_stale_temporaries
 from aniso_plugins.core.steps import RunInfo, StepInfo, TargetChunks, optimizer_steps_per_epoch
@@ -69,23 +69,6 @@ def _in_world(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return in_layout_world
-
-
-def guard_module_hooks() -> None:
-    """Make ``torch.compile`` notice the hooks a session adds to and removes from the model.
-
-    dynamo skips guards on ``nn.Module`` hooks by default (``torch._dynamo.config.
-    skip_nnmodule_hook_guards``): a forward compiled before a hook was added, or after one was
-    removed, runs as it was traced, so a loss term or measurement hook that is added at set-up or at
-    a measurement step would be silently ignored (or a removed one still run) under compilation. The
-    session turns those guards on for the process; where they were off, graphs compiled so far
-    (without them) are discarded once (``torch._dynamo.reset``) so that none is reused unguarded."""
-    import torch._dynamo
-
-    if torch._dynamo.config.skip_nnmodule_hook_guards:
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset()
-        logger.info("aniso: torch.compile now guards on module hooks (skip_nnmodule_hook_guards=False)")
 
 
 class TrainingSession:
@@ -158,8 +141,9 @@ class TrainingSession:
     ) -> None:
         """Hold the run's parallel `layout` (default: one process or plain data parallelism),
         refuse it where a plugin cannot serve it (`aniso_refuse_layout`), run the plugins' set-up
-        (head surgery, model-dependent checks), decide `head_computes_loss` and hook the final
-        head's output (loss terms, evaluation batches). Once, before the model is wrapped.
+        (head surgery, model-dependent checks), decide `head_computes_loss`, hook the final head's
+        output (loss terms, evaluation batches) and make ``torch.compile`` see the hooks
+        (`guard_module_hooks`). Once, before the model is wrapped.
 
         owns_loss: whether the adapter can take the training loss from the head and reproduce
             the model's own loss exactly (the fused loss); why_not: if not, why (for messages).
@@ -253,12 +237,9 @@ class TrainingSession:
         State loaded before this call is restored right after the plugins' hook."""
         if self.handle is None:
             raise SetupError("TrainingSession.setup(handle) must run before begin_training")
-        self.run = RunInfo(
-            epoch_steps=epoch_steps,
-            start_step=start_step,
-            accumulation_steps=accumulation_steps * self.layout.pipeline_micro_batches,
-            label_smoothing=label_smoothing,
-        )
+        accumulation_steps *= self.layout.pipeline_micro_batches
+        self.run = RunInfo(epoch_steps=epoch_steps, start_step=start_step, accumulation_steps=accumulation_steps,
+                           label_smoothing=label_smoothing)
         self._loss_scale = loss_scale * self.layout.gradient_weight
         self._grad_scaler = grad_scaler
         self.handle.engine_root = engine_root
