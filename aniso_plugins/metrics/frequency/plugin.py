@@ -19,7 +19,7 @@ from aniso_plugins.metrics.geometry.stats import (
     Spectrum,
     cross_cosine_value,
     isotropy_stats,
-    log_isotropy_value,
+    isotropy_value,
     mean_cosine_stats,
     mean_cosine_value,
     moment_stats,
@@ -80,7 +80,7 @@ class FrequencyGroupsPlugin(Plugin):
         out: dict[str, torch.Tensor] = {}
         for group in GROUPS:
             prefix = f"frequency/{group}/"
-            out[prefix + "isotropy"] = log_isotropy_value(reduced, prefix).exp()
+            out[prefix + "isotropy"] = isotropy_value(reduced, prefix)
             out[prefix + "mean_cosine"] = mean_cosine_value(reduced, prefix)
         out["frequency/rare_frequent_cosine"] = cross_cosine_value(reduced, "frequency/rare/", "frequency/frequent/")
         self._groups = self._sizes = None

@@ -27,7 +27,7 @@ from aniso_plugins.metrics.geometry.stats import (
     Spectrum,
     isotropy_directions,
     isotropy_stats,
-    log_isotropy_value,
+    isotropy_value,
     matrix_rows,
     mean_cosine_stats,
     mean_cosine_value,
@@ -124,7 +124,7 @@ class GeometryRounds:
         is computed on the statistics' device and read back at once (`read_values`)."""
         p = self.prefix
         if not self.full:
-            return read_values({form: {"isotropy": log_isotropy_value(reduced, f"{p}{form}/").exp()} for form in self.forms})
+            return read_values({form: {"isotropy": isotropy_value(reduced, f"{p}{form}/")} for form in self.forms})
         out: dict[str, Any] = {
             "nonfinite": reduced[p + "nonfinite"],
             "isoscore": isoscore_value(self.spectra["centered"].eigenvalues),
@@ -133,7 +133,7 @@ class GeometryRounds:
             spec = self.spectra[form]
             out[form] = {
                 "mean_cosine": mean_cosine_value(reduced, f"{p}{form}/"),
-                "isotropy": log_isotropy_value(reduced, f"{p}{form}/").exp(),
+                "isotropy": isotropy_value(reduced, f"{p}{form}/"),
                 **spec.summary_values(),
                 "w_error_half_rank": spec.w_error_value(spec.size // 2),
             }

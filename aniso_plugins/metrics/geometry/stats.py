@@ -228,10 +228,14 @@ class Spectrum:
     def variance_share(self, k: int) -> float:
         """Σ_{i≤k} σ_i² / Σ_i σ_i²: with center=True, the share of the total variance along the
         top-k principal components (seed 000: "the first 1 to 3 principal components")."""
+        return float(self.variance_share_value(k))
+
+    def variance_share_value(self, k: int) -> torch.Tensor:
+        """`variance_share` as a 0-d tensor (nothing read back)."""
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k={k!r}: expected an integer >= 1")
         lam = self.eigenvalues
-        return float(lam[:k].sum() / lam.sum())
+        return lam[:k].sum() / lam.sum()
 
     def w_error(self, rank: int) -> float:
         """‖σ_{r+1:}‖₂ / ‖W‖_F: relative Frobenius error of the best rank-r approximation
@@ -262,8 +266,8 @@ class Spectrum:
             "singular_entropy": math.log(self.size) - h["sigma"],
             "singular_entropy_sigma2": math.log(self.size) - h["sigma2"],
             "sigma_max": self.singular_values[0],
-            "variance_share_top1": lam[:1].sum() / lam.sum(),
-            "variance_share_top3": lam[: min(3, lam.numel())].sum() / lam.sum(),
+            "variance_share_top1": self.variance_share_value(1),
+            "variance_share_top3": self.variance_share_value(min(3, lam.numel())),
         }
         for q in SV_QUANTILES:
             out[f"sv_normalized_q{round(100 * q)}"] = normalized[int(q * (normalized.numel() - 1))]
@@ -308,9 +312,14 @@ def log_isotropy_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -
     return float(log_isotropy_value(reduced, prefix))
 
 
+def isotropy_value(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+    """I(W) = min_a Z(a) / max_a Z(a) = exp(`log_isotropy_value`), a 0-d tensor."""
+    return log_isotropy_value(reduced, prefix).exp()
+
+
 def isotropy_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
-    """I(W) = min_a Z(a) / max_a Z(a) = exp(`log_isotropy_finish`)."""
-    return math.exp(log_isotropy_finish(reduced, prefix))
+    """`isotropy_value` as a float."""
+    return float(isotropy_value(reduced, prefix))
 
 
 # --- one-call public functions ---------------------------------------------------------------
@@ -380,6 +389,7 @@ __all__ = [
     "isotropy_finish",
     "isotropy_stats",
     "log_isotropy_finish",
+    "isotropy_value",
     "log_isotropy_value",
     "matrix_rows",
     "mean_cosine",
