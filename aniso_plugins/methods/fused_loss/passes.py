@@ -24,10 +24,11 @@ import torch.distributed as dist
 from aniso_plugins.methods.fused_loss.gemm import addmm_in_
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
 from aniso_plugins.methods.fused_loss.row_gates import RowGates, columns_of, gate_block_, row_flags
-from aniso_plugins.methods.fused_loss.workspace import STAGE_BYTES, RowTerms, Tile, block_stats, softmax_stats_
+from aniso_plugins.methods.fused_loss.workspace import STAGE_BYTES, RowTerms, Tile, block_stats, softmax_stats_, token_stats
 from aniso_plugins.numerics.linalg import ROW_BLOCK
 
-__all__ = ["FLOOR_ROWS", "TRANSPOSED_ROWS", "PassOptions", "Plan", "Shard", "fused_pass", "plan_tiles", "pytorch_chunk_rows"]
+__all__ = ["FLOOR_ROWS", "TRANSPOSED_ROWS", "PassOptions", "Plan", "Shard", "TokenRows", "fused_pass", "plan_tiles",
+           "pytorch_chunk_rows"]
 
 FLOOR_ROWS = 64
 """Fewest token rows of a tile that holds the whole vocabulary in the default plan: each such tile
@@ -93,8 +94,8 @@ class Shard(NamedTuple):
 
 
 class PassOptions(NamedTuple):
-    """One call's settings: dtypes (GEMM, accumulation), the transform, the shard, the tiles and
-    which gradients (dX, dW, db) are wanted."""
+    """One call's settings: dtypes (GEMM, accumulation), the transform, the shard, the tiles,
+    which gradients (dX, dW, db) are wanted and whether each token's outputs are (`TokenRows`)."""
 
     compute: torch.dtype
     acc: torch.dtype
@@ -102,21 +103,36 @@ class PassOptions(NamedTuple):
     shard: Shard | None
     plan: Plan
     wants: tuple[bool, bool, bool]
+    tokens: bool = False
+
+
+class TokenRows(NamedTuple):
+    """Per-row statistics of the transformed logits z' over all ids, beyond the loss's: E_p[z'],
+    log Σ_k exp 2z'_k, max_k z'_k, its first id, Σ_k z'_k (the token outputs of
+    `fused_linear_cross_entropy`: entropy = lse − E_p[z'], log Σ p² = log Σ exp 2z' − 2·lse,
+    argmax, mean logit)."""
+
+    mean: torch.Tensor
+    squares: torch.Tensor
+    peak: torch.Tensor
+    argmax: torch.Tensor
+    total: torch.Tensor
 
 
 class _Rows(NamedTuple):
     """Per-row statistics of all N rows, combined over the tiles (log-sum-exp, target logit,
-    Σ_k c_k z'_k or None)."""
+    Σ_k c_k z'_k or None, the `TokenRows` or None)."""
 
     lse: torch.Tensor
     target: torch.Tensor
     total: torch.Tensor | None
+    tokens: TokenRows | None = None
 
 
 def fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
                terms: RowTerms, gates: RowGates | None, o: PassOptions):
-    """(row losses, their z-loss parts or None, dX, dW, db) of the fused loss: the module
-    docstring's passes, outside autocast."""
+    """(row losses, their z-loss parts or None, dX, dW, db, (lse, `TokenRows`) or None) of the
+    fused loss: the module docstring's passes, outside autocast; the last with ``o.tokens``."""
     want_dx, want_dw, want_db = o.wants
     with torch.autocast(hidden.device.type, enabled=False):
         d = weight.shape[1]
@@ -132,7 +148,8 @@ def fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         dw = torch.zeros(v, d, dtype=acc, device=X.device) if want_dw else None
         db = torch.zeros(v, dtype=acc, device=X.device) if want_db and bias is not None else None
         rows = _Rows(*(torch.zeros(n, dtype=acc, device=X.device) for _ in range(2)),
-                     torch.zeros(n, dtype=acc, device=X.device) if terms.smoothing else None)
+                     torch.zeros(n, dtype=acc, device=X.device) if terms.smoothing else None,
+                     _empty_tokens(n, acc, X.device) if o.tokens else None)
         transposed = (X.device.type == "cpu" and o.plan.cols >= v and o.plan.rows <= TRANSPOSED_ROWS
                       and o.compute == acc and o.transform is None)
         tile = Tile(min(o.plan.rows, n), min(o.plan.cols, v), o.compute, acc, X.device, o.plan.block, transposed)
@@ -142,14 +159,19 @@ def fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             local = torch.where(valid[r0:r1], y[r0:r1], 0) - offset  # ignored rows' id: 0 (no N-sized copy held)
             ctx = _Chunk(X[r0:r1].to(o.compute), local, part, w, b, tile, o, columns, flags, r0)
             stats = _chunk_pass(ctx, (None if dx is None else dx.view(n, d), dw, db))
-            for full, part in zip(rows, stats):
+            for full, part in zip((*rows[:3], *(rows.tokens or ())), (*stats[:3], *(stats.tokens or ()))):
                 if full is not None:
                     full[r0:r1] = part
-        losses, z_parts = terms.losses(*rows)
+        losses, z_parts = terms.losses(*rows[:3])
         if dx is not None:
             dx.view(n, d).mul_(terms.weight[:, None])  # G = ω ⊙ H
             dx = dx.to(hidden.dtype)
-    return losses, z_parts, dx, dw, db
+    return losses, z_parts, dx, dw, db, None if rows.tokens is None else (rows.lse, rows.tokens)
+
+
+def _empty_tokens(n: int, acc: torch.dtype, device: torch.device) -> TokenRows:
+    return TokenRows(*(torch.zeros(n, dtype=torch.int64 if name == "argmax" else acc, device=device)
+                       for name in TokenRows._fields))
 
 
 class _Chunk(NamedTuple):
@@ -175,7 +197,7 @@ def _chunk_pass(c: _Chunk, grads) -> tuple:
     v, cols = c.w.shape[0], c.o.plan.cols
     blocks = [(s, min(s + cols, v)) for s in range(0, v, cols)]
     want = any(g is not None for g in grads)
-    fast = want and len(blocks) == 1 and c.o.shard is None and c.x.device.type == "cpu"
+    fast = want and len(blocks) == 1 and c.o.shard is None and c.x.device.type == "cpu" and not c.o.tokens
     if fast:  # every id in one tile, nothing to reduce across ranks: one pass
         return _tile_gradient(c, grads, 0, v, c.tile.logits(c.x, c.w, c.b), None, True)
     stats, z = None, None
@@ -206,17 +228,28 @@ def _tile_stats(c: _Chunk, z: torch.Tensor, s: int, e: int, keep: bool) -> _Rows
     """The rows' statistics over the tile's ids; a float32 tile becomes z' (its transform) with
     `keep` (its gradient pass follows), else it is spent (recomputed for the gradient)."""
     local, owned = _owned(c, s, e)
-    parts = []
-    for i, work in c.tile.blocks(z, keep):
+    parts, tokens = [], []
+    for i, work in c.tile.blocks(z, keep or c.o.tokens):
         if c.o.transform is not None:
             c.o.transform.apply_(work)
         k = slice(i, i + work.shape[0])
+        if c.o.tokens:
+            tokens.append(token_stats(work, s + (0 if c.o.shard is None else c.o.shard.start))[1:])
         parts.append(block_stats(work, local[k], owned[k], _classes(c, s, e), bool(c.terms.smoothing), keep))
-    return _Rows(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
+    stats = [None if p[0] is None else torch.cat(p) for p in zip(*parts)]
+    return _Rows(*stats, TokenRows(*(torch.cat(p) for p in zip(*tokens))) if tokens else None)
 
 
 def _combine(a: _Rows, b: _Rows) -> _Rows:
-    return _Rows(torch.logaddexp(a.lse, b.lse), a.target + b.target, None if a.total is None else a.total + b.total)
+    lse = torch.logaddexp(a.lse, b.lse)
+    total = None if a.total is None else a.total + b.total
+    if a.tokens is None:
+        return _Rows(lse, a.target + b.target, total)
+    x, y = a.tokens, b.tokens
+    later = y.peak > x.peak  # ties keep the earlier id, as argmax
+    tokens = TokenRows((a.lse - lse).exp() * x.mean + (b.lse - lse).exp() * y.mean, torch.logaddexp(x.squares, y.squares),
+                       torch.where(later, y.peak, x.peak), torch.where(later, y.argmax, x.argmax), x.total + y.total)
+    return _Rows(lse, a.target + b.target, total, tokens)
 
 
 def _reduce_over_shards(stats: _Rows, group) -> _Rows:

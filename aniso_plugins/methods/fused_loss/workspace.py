@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEVICE_BLOCK_BYTES", "RowTerms", "STAGE_BYTES", "Tile", "block_stats", "block_bytes", "softmax_stats_"]
+__all__ = ["DEVICE_BLOCK_BYTES", "RowTerms", "STAGE_BYTES", "Tile", "block_stats", "block_bytes", "softmax_stats_",
+           "token_stats"]
 
 STAGE_BYTES = 4 * 2**20
 """float32 bytes of one row block of a tile's work where it needs a temporary of its size (the
@@ -159,6 +160,21 @@ def block_stats(w: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, class
     peak = w.amax(1)
     shifted = torch.sub(w, peak[:, None]) if keep else w.sub_(peak[:, None])
     return shifted.exp_().sum(1).log_().add_(peak), target, total
+
+
+def token_stats(w: torch.Tensor, first_id: int) -> tuple[torch.Tensor, ...]:
+    """The per-row statistics of a block of float32 logits z' (`w`, ids ``first_id`` on, left
+    unchanged) from which each token's outputs are combined over blocks (`passes`):
+    (log Σ_k exp z'_k, E_p[z'] = Σ_k p_k z'_k under the block's softmax, log Σ_k exp 2z'_k,
+    max_k z'_k, the first id of that maximum, Σ_k z'_k). One temporary of the block's size."""
+    at = w.argmax(1)
+    peak = w.gather(1, at[:, None]).squeeze(1)
+    shifted = torch.sub(w, peak[:, None])
+    e = shifted.exp()
+    mass = e.sum(1)
+    mean = torch.linalg.vecdot(e, shifted, dim=1).div_(mass).add_(peak)
+    squares = torch.linalg.vector_norm(e, dim=1).log_().add_(peak).mul_(2.0)
+    return mass.log_().add_(peak), mean, squares, peak, at + first_id, w.sum(1)
 
 
 def softmax_stats_(w: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, classes: torch.Tensor | None,
