@@ -146,6 +146,17 @@ def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
     assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
 
 
+def test_trl_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
+    """benchmarks/trl_step.py --smoke: four real-SFTTrainer variants, a table and the JSON of its numbers."""
+    cmd = [sys.executable, os.path.join(BENCH, "trl_step.py"), "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert rows == ["plain", "agg", "cosreg", "agg_logits"]
+    (result,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
+    assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
+
+
 @pytest.mark.slow
 def test_hf_step_benchmark_runs_every_engine_on_two_ranks_in_smoke_mode(tmp_path):
     """benchmarks/hf_step.py --engine ddp,fsdp2,zero2,zero3 --smoke: plain against AGG + metrics on

@@ -131,6 +131,27 @@ def test_sft_loss_and_trl_metrics_are_unchanged_by_the_route_through_the_head(tm
     torch.testing.assert_close(fed.grads[0], fed_own.grads[0], rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("method", ["agg", "cosreg"])
+def test_head_methods_keep_sft_trainers_chunked_path_and_its_logged_values(tmp_path, method):
+    """A head method on SFTTrainer: the head answers TRL's fused call chunk by chunk (its training
+    output is one log-probability per position, never the (B, T, V) logits), and the step's loss,
+    entropy, accuracy and token count equal the plain SFTTrainer's (the first step's forward is
+    the same model's)."""
+    shapes: list[tuple[int, ...]] = []
+    model, head = build("plain")
+    head.register_forward_hook(lambda m, a, out: shapes.append(tuple(out.shape)) if m.training else None)
+    config = cfg(method=method, alpha=ALPHA, window=2) if method == "agg" else cfg(method=method, reg_weight=0.7)
+    trainer = trl.SFTTrainer(model=model, args=sft_config(tmp_path / "a", "plain"), train_dataset=dataset("plain"),
+                             processing_class=tokenizer(), callbacks=[AnisoCallback(config)])  # fmt: skip
+    assert trainer.callback_handler.callbacks and any(isinstance(c, AnisoCallback) and c.session.head_computes_loss
+                                                      for c in trainer.callback_handler.callbacks)
+    trainer.train()
+    own, _, _ = sft(tmp_path / "b", "plain", None)
+    assert shapes and all(len(shape) == 2 for shape in shapes), shapes  # (B, T): no vocabulary dimension
+    for key in ("loss", "entropy", "mean_token_accuracy", "num_tokens"):
+        assert trainer.state.log_history[0][key] == pytest.approx(own.state.log_history[0][key], rel=1e-5), key
+
+
 def test_cosreg_on_sft_trainer_adds_the_regularizer_gradient(tmp_path):
     _, fed, weight = sft(tmp_path / "a", "plain", cfg(method="cosreg", reg_weight=0.7))
     _, fed_plain, _ = sft(tmp_path / "b", "plain", None)

@@ -46,7 +46,12 @@ class ParallelLayout:
     parameters_fixed: why the model's parameters can no longer change (the optimizer exists
         already), with the way out; None: a plugin may add parameters at set-up.
     head_bypassed: why the trainer's loss reads the LM head's weight without calling its forward
-        (a fused kernel of its own), with the way out; None: the head's forward runs."""
+        (a fused kernel of its own), with the way out; None: the head's forward runs.
+    token_outputs: the trainer's loss takes each token's log-probability from a chunked LM head
+        of its own and these token outputs beside it (TRL's fused LM head: ``FusedCausalLMOutput``'s
+        fields, `aniso_plugins.methods.fused_loss.token_outputs.TOKEN_OUTPUTS`); the adapter lets
+        the head answer that call (`TrainingSession.head_computes_loss`), chunk by chunk, where a
+        plugin acts in the head's forward. None: the trainer's loss takes a sum or the logits."""
 
     world: dist.ProcessGroup | None = None
     batch_group: dist.ProcessGroup | None = None
@@ -59,6 +64,7 @@ class ParallelLayout:
     backward_runs_twice: bool = False
     parameters_fixed: str | None = None
     head_bypassed: str | None = None
+    token_outputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_copies", "pipeline_stages", "pipeline_micro_batches"):

@@ -33,12 +33,17 @@ class _AttachLoss(torch.autograd.Function):
 def attach_loss(output: torch.Tensor, loss: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Return `output` (same value) such that backward through it also backpropagates
     ``scale * loss``. `loss` is a differentiable scalar; `output` must reach the loss; `scale` a
-    number or a 0-dim tensor on the loss's device (an fp16 loss scale, read without a host read)."""
+    number or a 0-dim tensor on the loss's device (an fp16 loss scale, read without a host read).
+    A tensor subclass `output` comes back as its class, with its attributes."""
     if loss.dim() != 0:
         raise ValueError(f"attach_loss: loss must be a scalar, got shape {tuple(loss.shape)}")
     if not loss.requires_grad:
         return output
-    return _AttachLoss.apply(output, loss, scale)
+    attached = _AttachLoss.apply(output, loss, scale)
+    if type(output) is not torch.Tensor and type(attached) is not type(output):  # a carrier of the head's outputs
+        attached = attached.as_subclass(type(output))  # (the fused loss's) stays one, with its attributes
+        attached.__dict__.update(output.__dict__)
+    return attached
 
 
 class _ZeroThrough(torch.autograd.Function):

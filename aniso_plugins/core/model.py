@@ -173,6 +173,12 @@ class ModelHandle:
         """The output projection module (owns ``weight``, shape (V, d))."""
         return _get(self.model, self._head)
 
+    def head_bypass(self) -> str | None:
+        """What in the model's training forward computes the loss from the head's weight without
+        calling the head module (a fused kernel's patch), or None: read by subclasses that know
+        the model's code (`aniso_plugins.models.handle.OutputEmbeddingsHandle`)."""
+        return None
+
     @property
     def device(self) -> torch.device:
         """Where the head's tensors live (the model's device once the trainer has placed it): the

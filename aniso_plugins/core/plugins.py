@@ -91,6 +91,10 @@ class AnisoPlugins:
         """Whether a plugin makes the head return the training loss itself (`aniso_head_computes_loss`)."""
         return any(self.pm.hook.aniso_head_computes_loss(owns_loss=owns_loss, why_not=why_not))
 
+    def in_head_forward(self) -> list[str]:
+        """The registered plugins that act in the LM head's forward (``acts_in_head_forward``)."""
+        return [name for name, plugin in self.pm.list_name_plugin() if getattr(plugin, "acts_in_head_forward", False)]
+
     def reads_training_logits(self) -> list[str]:
         """What the plugins read of the training logits (`aniso_reads_training_logits`)."""
         return [why for why in self.pm.hook.aniso_reads_training_logits() if why]

@@ -109,6 +109,12 @@ class TrainingSession:
         return self._head_computes_loss
 
     @property
+    def uses_head_forward(self) -> bool:
+        """Whether a plugin acts in the LM head's training forward or reads its logits: a trainer
+        loss that bypasses the head (`ParallelLayout.token_outputs`) must then run through it."""
+        return bool(self.plugins.in_head_forward() or self.plugins.reads_training_logits())
+
+    @property
     def supplies_loss(self) -> bool:
         """Whether a training batch without labels is trained on the plugins' loss terms alone (a
         plugin says so, `aniso_supplies_loss`: unsupervised SimCSE has no token loss); the
@@ -155,6 +161,7 @@ class TrainingSession:
         guard_module_hooks()
         layout = layout if layout is not None else ParallelLayout()
         self.check_layout(layout)
+        self._check_head_runs(handle)
         self.layout = handle.layout = layout
         try:
             with in_world(layout.world), handle.full_weights():  # a model an engine built partitioned (ZeRO-3's zero.Init)
@@ -168,6 +175,8 @@ class TrainingSession:
                 )
             if owns_loss and readers:
                 owns_loss, why_not = False, "; ".join(readers)
+            if owns_loss and layout.token_outputs is not None and not self.plugins.in_head_forward():
+                owns_loss, why_not = False, "no method acts in the LM head: the trainer's own chunked head runs"
             self._head_computes_loss = self.plugins.head_computes_loss(owns_loss, why_not or "the adapter cannot")
             head = handle.head()
             # prepended: the activation terms see the head's input before any probe replaces it
@@ -180,6 +189,21 @@ class TrainingSession:
             handle.restore()
             raise
         self.handle = handle
+
+    def _check_head_runs(self, handle: ModelHandle) -> None:
+        """Refuse the plugins that act in the LM head's forward where the model's forward computes
+        its loss from the head's weight without calling the head (`ModelHandle.head_bypass`):
+        they would silently do nothing."""
+        acting = self.plugins.in_head_forward()
+        bypass = handle.head_bypass() if acting else None
+        if bypass is not None:
+            raise SetupError(
+                f"{', '.join(map(repr, acting))} act{'s' if len(acting) == 1 else ''} in the LM head's forward, which "
+                f"the model's training loss bypasses: {bypass}, so {'it' if len(acting) == 1 else 'they'} would "
+                "silently do nothing. Remove that patch (Liger-Kernel's fused_linear_cross_entropy, Cut Cross-Entropy's "
+                "cce_patch, a fused-loss plugin) and set AnisoConfig(fused_loss=True): aniso_plugins' fused loss "
+                "never holds the logits either, with the methods applied; or measure metrics only"
+            )
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise `SetupError` with every plugin's refusal of `layout` (`aniso_refuse_layout`);

@@ -14,6 +14,7 @@ from torch import nn
 
 from aniso_plugins.core.errors import SetupError
 from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.models.head_bypass import head_bypass_in_forward
 from aniso_plugins.models.saving import Completion, complete_save_pretrained
 from aniso_plugins.numerics.gathered import full_shape
 
@@ -85,6 +86,10 @@ class OutputEmbeddingsHandle(ModelHandle):
             return head
         active = _active_adapters(head)
         return copies[active[0]] if active and active[0] in copies else head.original_module
+
+    def head_bypass(self) -> str | None:  # type: ignore[override]
+        """`head_bypass_in_forward` of the model's forward and its head's attribute."""
+        return head_bypass_in_forward(self.model, self._head if "." not in self._head else "")
 
     def head_weight(self) -> torch.Tensor:
         head = self.head()

@@ -142,8 +142,8 @@ class AnisoCallback(TrainerCallback):
         self.session.setup(handle, layout.layout_of(self.trainer), owns_loss=why_not is None, why_not=why_not or "")
         self._unroute_trl()
         if trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
-            self._trl_unroute = trl.route_through_head(model, self.trainer)
-        if self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
+            self._trl_unroute = trl.route_through_head(model, self.trainer, self.session, layout.head_transform(handle))
+        elif self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
             transform = layout.head_transform(handle)
             handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index, transform))
             patches.patch_label_smoother(self.trainer, self._patches, lambda smoother: FusedLabelSmoother(smoother, transform))
@@ -352,6 +352,8 @@ def _why_loss_is_not_reproduced(trainer: Trainer, handle: OutputEmbeddingsHandle
     (``Trainer.compute_loss`` of a conventional causal LM, `layout.fused_loss_refusal`), else why not."""
     if trainer.compute_loss_func is not None:
         return "the Trainer has a compute_loss_func, which computes the loss from the logits"
+    if trl.token_outputs(trainer) is not None:  # SFTTrainer's loss from its chunked head: the head answers it
+        return layout.fused_loss_refusal(trainer, handle, config.ignore_index)
     own = [c.__name__ for c in type(trainer).__mro__ if "compute_loss" in vars(c) and c is not Trainer
            and not c.__module__.startswith(__package__)]  # AnisoTrainerMixin's is the Trainer's
     if own:

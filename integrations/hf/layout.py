@@ -9,6 +9,7 @@ from __future__ import annotations
 from aniso_plugins import DeepSpeedLossScale, GradScaler, LogitTransform, OutputEmbeddingsHandle, ParallelLayout, SetupError
 from aniso_plugins.models.causal_loss import fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.models.handle import peft_base_model
+import aniso_plugins.integrations.hf.trl as trl
 
 from transformers import Trainer
 
@@ -80,6 +81,7 @@ def layout_of(trainer: Trainer) -> ParallelLayout:
         if trainer.optimizer is not None else None,
         head_bypassed="TrainingArguments(use_liger_kernel=True) bypasses (its loss reads lm_head.weight directly): "
         "turn Liger off" if getattr(trainer.args, "use_liger_kernel", False) else None,
+        token_outputs=trl.token_outputs(trainer) if trl.is_trl_trainer(trainer) else None,
     )
 
 

@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
+from aniso_plugins.methods.fused_loss.loss_sum import fused_sum
+
 logger = logging.getLogger("aniso_plugins.hf")
 
 _ENTROPY_ROWS = 4096
@@ -65,36 +68,60 @@ def _routes_its_loss(trainer) -> bool:
     return trainer.compute_loss_func is None and not smooths
 
 
-def route_through_head(model: nn.Module, trainer) -> Callable[[], None]:
-    """Make SFTTrainer's fused calls of `model` (the model the Trainer holds: a PEFT model or
-    the transformers model) run through its LM head (module docstring). Two hooks on `model`,
-    whichever forward TRL and accelerate install under them: before the call, a fused one
-    (with gradients, or in evaluation) loses ``fused_lm_head``, ``labels``, ``shift_labels`` and
-    ``num_items_in_batch``, so that the model's own forward computes the logits through its
-    head; after it, the logits become TRL's ``FusedCausalLMOutput``. A training call without
-    gradients (TRL's metrics beside a loss computed from the logits) stays TRL's. Returns the
-    function that removes both hooks."""
+SFT_TOKEN_OUTPUTS = ("entropy", "is_top1")
+"""The token outputs SFTTrainer's fused calls read besides the log-probabilities (its metrics)."""
+
+
+def token_outputs(trainer) -> tuple[str, ...] | None:
+    """The token outputs of the trainer's chunked loss (`ParallelLayout.token_outputs`): those of
+    TRL's SFTTrainer where its training loss comes from its fused call, else None."""
+    from trl import SFTTrainer
+
+    return SFT_TOKEN_OUTPUTS if isinstance(trainer, SFTTrainer) and _routes_its_loss(trainer) else None
+
+
+def route_through_head(model: nn.Module, trainer, session, transform: LogitTransform) -> Callable[[], None]:
+    """Make SFTTrainer's fused calls of `model` (the model the Trainer holds: a PEFT model or the
+    transformers model) run through its LM head where the session acts there (module docstring).
+    Two hooks on `model`, whichever forward TRL and accelerate install under them: before a fused
+    call (training with gradients, or evaluation), they drop ``fused_lm_head``, ``labels``,
+    ``shift_labels`` and ``num_items_in_batch``, so that the model's own forward runs through its
+    head; after it, its output becomes TRL's ``FusedCausalLMOutput``: from the head's per-token
+    log-probabilities and token outputs where the head answers TRL's chunked call
+    (``session.head_computes_loss``), else from its logits. A training call without gradients
+    (TRL's metrics beside a loss computed from the logits) stays TRL's, and so does every training
+    call where no plugin acts in the head (TRL's own chunked head). `transform`: the logit
+    transform the fused head applied (checked against the forward's). Returns the function that
+    removes both hooks."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     config = getattr(model, "config", None)
     coefficient = getattr(config.get_text_config(), "router_aux_loss_coef", 0.0) if config is not None else 0.0
-    calls: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | int | None]] = []
+    answered, in_head = session.head_computes_loss, session.uses_head_forward
+    calls: list[tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | int | None, bool]] = []
 
     def before(module, args, kwargs):
         if not kwargs.get("fused_lm_head") or (module.training and not torch.is_grad_enabled()):
             return None
-        if not _routes_its_loss(trainer):
+        if not _routes_its_loss(trainer) or (module.training and not in_head):
             return None
         kwargs = dict(kwargs)
         kwargs.pop("fused_lm_head")
-        calls.append((kwargs.pop("labels", None), kwargs.pop("shift_labels", None), kwargs.pop("num_items_in_batch", None)))
+        calls.append((kwargs.pop("labels", None), kwargs.pop("shift_labels", None), kwargs.pop("num_items_in_batch", None),
+                      answered and module.training))
         return args, kwargs
 
     def after(module, args, kwargs, outputs):
         if not calls or "fused_lm_head" in kwargs:
             return None
-        labels, shift_labels, num_items_in_batch = calls.pop()
-        fields = fused_outputs_from_logits(outputs.logits, labels, shift_labels, num_items_in_batch)
+        labels, shift_labels, num_items_in_batch, chunked = calls.pop()
+        targets = _targets(labels, shift_labels)
+        if chunked:  # the head's log-probabilities and token outputs, never the logits
+            carrier = outputs.logits
+            fields = dict(getattr(carrier, "fields", {}))
+            fields = _fields(fused_sum(carrier, transform), fields, targets, shift_labels is None, num_items_in_batch)
+        else:
+            fields = fused_outputs_from_logits(outputs.logits, labels, shift_labels, num_items_in_batch)
         aux = getattr(outputs, "aux_loss", None)
         if aux is not None:
             fields["loss"] = fields["loss"] + coefficient * aux
@@ -104,17 +131,44 @@ def route_through_head(model: nn.Module, trainer) -> Callable[[], None]:
         model.register_forward_pre_hook(before, with_kwargs=True),
         model.register_forward_hook(after, with_kwargs=True),
     ]
-    logger.info(
-        "TRL's fused LM head computes the log-probabilities from lm_head.weight without running the head; "
-        "aniso_plugins computes them from the head's logits instead (as transformers.Trainer trains: the logits "
-        "are held in memory)"
-    )
+    if answered:
+        logger.info("TRL's fused LM head: aniso_plugins' fused loss answers it through the LM head, chunk by chunk")
+    elif in_head:
+        logger.info(
+            "TRL's fused LM head computes the log-probabilities from lm_head.weight without running the head; "
+            "aniso_plugins computes them from the head's logits instead (as transformers.Trainer trains: the logits "
+            "are held in memory)"
+        )
 
     def remove() -> None:
         for handle in handles:
             handle.remove()
 
     return remove
+
+
+def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """Each head position's target: ``shift_labels``, or the labels shifted (the last: none)."""
+    if shift_labels is not None:
+        return shift_labels
+    if labels is None:
+        raise ValueError("a fused_lm_head=True call needs labels or shift_labels")
+    return F.pad(labels[:, 1:], (0, 1), value=-100)
+
+
+def _fields(log_probs: torch.Tensor, extra: dict[str, torch.Tensor], targets: torch.Tensor, shifted: bool,
+            num_items_in_batch: torch.Tensor | int | None) -> dict[str, torch.Tensor]:
+    """TRL's fields from each head position's log-probability and token outputs: zero where the
+    target is −100, the last position dropped when the labels were shifted, and the loss."""
+    mask = targets.to(log_probs.device) != -100
+    fields = {"log_probs": log_probs.masked_fill(~mask, 0.0), "label_mask": mask}
+    for name, value in extra.items():
+        fields[name] = value & mask if value.dtype == torch.bool else value.masked_fill(~mask, 0)
+    if shifted:
+        fields = {name: value[:, :-1] for name, value in fields.items()}
+    count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    fields["loss"] = -fields["log_probs"].sum() / count
+    return fields
 
 
 def fused_outputs_from_logits(
@@ -126,32 +180,20 @@ def fused_outputs_from_logits(
     """The fields of TRL's ``FusedCausalLMOutput`` from (B, T, V) logits (module docstring):
     log_probs, entropy, is_top1, label_mask (B, T − 1), or (B, T) with `shift_labels`, and the
     loss. Float32 softmax; the logits are not copied for the shift."""
-    if shift_labels is None:
-        if labels is None:
-            raise ValueError("a fused_lm_head=True call needs labels or shift_labels")
-        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # aligned with every position; the last has none
-    else:
-        targets = shift_labels
+    targets = _targets(labels, shift_labels)
     flat, y = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device)
     log_probs = -F.cross_entropy(flat.float(), y, ignore_index=-100, reduction="none")
-    mask = y != -100
     entropy = torch.zeros_like(log_probs)
-    is_top1 = torch.zeros_like(mask)
+    is_top1 = torch.zeros_like(y, dtype=torch.bool)
     with torch.no_grad():
         for start in range(0, flat.shape[0], _ENTROPY_ROWS):
             rows = slice(start, start + _ENTROPY_ROWS)
             logp = torch.log_softmax(flat[rows].float(), dim=-1)
             entropy[rows] = -(logp.exp() * logp).sum(-1)
             is_top1[rows] = flat[rows].argmax(-1) == y[rows]
-    entropy, is_top1 = entropy.masked_fill(~mask, 0.0), is_top1 & mask
     shape = targets.shape
-    fields = {"log_probs": log_probs, "entropy": entropy, "is_top1": is_top1, "label_mask": mask}
-    fields = {name: value.view(shape) for name, value in fields.items()}
-    if shift_labels is None:
-        fields = {name: value[:, :-1] for name, value in fields.items()}
-    count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    fields["loss"] = -fields["log_probs"].sum() / count
-    return fields
+    extra = {"entropy": entropy.view(shape), "is_top1": is_top1.view(shape)}
+    return _fields(log_probs.view(shape), extra, targets, shift_labels is None, num_items_in_batch)
 
 
-__all__ = ["fused_outputs_from_logits", "is_trl_trainer", "refusal", "route_through_head"]
+__all__ = ["SFT_TOKEN_OUTPUTS", "fused_outputs_from_logits", "is_trl_trainer", "refusal", "route_through_head", "token_outputs"]

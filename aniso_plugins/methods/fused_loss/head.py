@@ -41,7 +41,10 @@ class TrainingHead:
       chunked loss), or
     - fused, the chunked cross-entropy of the whole micro-batch, ``Σ_{i: y_i ≠ ignore} CE_i /
       normalizer`` (`aniso_plugins.fused_linear_cross_entropy`, AGG-gated when armed with gates, label
-      smoothed with ``label_smoothing``), a 0-dim tensor: never the full logits.
+      smoothed with ``label_smoothing``), a 0-dim tensor: never the full logits; or, fused with
+      ``token_outputs`` (TRL's fused LM head, `ParallelLayout.token_outputs`), each position's
+      log-probability log p_i(y_i) = −CE_i (0 where ignored; its gradient AGG-gated likewise) in
+      the targets' shape, a `FusedLossSum` whose ``fields`` hold the token outputs asked for.
 
     Any other call runs the module's original forward. `remove` restores it.
 
@@ -72,7 +75,7 @@ class TrainingHead:
         self._targets: TargetChunks | None = None
         self._whole: torch.Tensor | None = None
         self._gates: RowGates | None = None
-        self._fused: tuple[torch.Tensor | None, float] | None = None  # (normalizer, label smoothing)
+        self._fused: tuple[torch.Tensor | None, float, tuple[str, ...] | None] | None = None  # fuse's arguments
         self._warned = False
         module.forward = self.forward
 
@@ -91,14 +94,16 @@ class TrainingHead:
         self._gates = gates
         self._fused = None
 
-    def fuse(self, normalizer: torch.Tensor | None = None, label_smoothing: float = 0.0) -> None:
+    def fuse(self, normalizer: torch.Tensor | None = None, label_smoothing: float = 0.0,
+             token_outputs: tuple[str, ...] | None = None) -> None:
         """The armed micro-batch's next forward (one call on the whole micro-batch, whatever
         `arm`'s ``chunks``) returns its fused loss: the summed token loss divided by `normalizer`
-        (None: the sum), label-smoothed by `label_smoothing`."""
+        (None: the sum), label-smoothed by `label_smoothing`; with `token_outputs`, each position's
+        log-probability and those outputs (the class docstring)."""
         if self._targets is None:
             raise ValueError("TrainingHead.fuse: arm the micro-batch first")
         self._targets = TargetChunks(self._whole, 1)
-        self._fused = (normalizer, label_smoothing)
+        self._fused = (normalizer, label_smoothing, token_outputs)
 
     def disarm(self) -> None:
         """Drop targets that no forward consumed."""
@@ -138,7 +143,9 @@ class TrainingHead:
             self.disarm()
         if fused is None:
             return gated_linear(hidden, weight, targets, gates, bias, self.ignore_index, self.shard)
-        normalizer, smoothing = fused
+        normalizer, smoothing, tokens = fused
+        if tokens is not None:
+            return self._token_log_probs(hidden, weight, bias, targets, gates, tokens)
         loss = fused_linear_cross_entropy(
             hidden,
             weight,
@@ -155,6 +162,18 @@ class TrainingHead:
             logit_transform=self.logit_transform,
         )
         return loss if self.logit_transform is None else FusedLossSum.wrap(loss)
+
+
+    def _token_log_probs(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         targets: torch.Tensor, gates: RowGates | None, tokens: tuple[str, ...]) -> FusedLossSum:
+        """log p_i(y_i) of every position (−CE_i, 0 where ignored) with `tokens` in ``fields``."""
+        out = fused_linear_cross_entropy(
+            hidden, weight, targets, gates, bias=bias, ignore_index=self.ignore_index, reduction="none",
+            chunk_size=self.chunk_size, shard=self.shard, logit_transform=self.logit_transform,
+            token_outputs=tokens, return_lse=not tokens,
+        )
+        fields = {name: getattr(out, name) for name in tokens}
+        return FusedLossSum.wrap(-out.loss, fields)
 
 
 LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)

@@ -1,9 +1,11 @@
 """The fused-loss plugin: decides whether the LM head computes the training loss, and arms it.
 
 Asked after set-up (`aniso_head_computes_loss`), it fuses when ``config.fused_loss`` is True,
-or is None and a plugin gates the head's weight gradient (AGG installed the training head), and
-the adapter reproduces the model's own loss exactly (``owns_loss``; else ``why_not`` says why,
-logged once at info level, or raised for ``fused_loss=True``). Fusing, it installs the training
+or is None and a plugin gates the head's weight gradient (AGG installed the training head) or
+the trainer's own loss is chunked (`ParallelLayout.token_outputs`: TRL's fused LM head, which the
+head then answers token by token), and the adapter reproduces the trainer's loss exactly
+(``owns_loss``; else ``why_not`` says why, logged once at info level, or raised for
+``fused_loss=True``). Fusing, it installs the training
 head if no plugin did, and on each training micro-batch (after the other plugins' `aniso_targets`,
 so AGG's gates are armed first) makes the head's next forward return the micro-batch's loss
 (`aniso_plugins.methods.fused_loss.head.TrainingHead.fuse`).
@@ -35,6 +37,7 @@ class FusedLossPlugin(Plugin):
         super().__init__(config)
         self.head: TrainingHead | None = None
         self._smoothing = 0.0
+        self._tokens: tuple[str, ...] | None = None
 
     def refuse_layout(self, layout: ParallelLayout) -> str | None:
         if layout.head_bypassed and self.config.fused_loss:
@@ -46,7 +49,9 @@ class FusedLossPlugin(Plugin):
         wanted = self.config.fused_loss
         model: ModelHandle = self.model
         installed = TrainingHead.installed_on(model.head())
-        if wanted is False or (wanted is None and not (installed is not None and installed.gated)):
+        self._tokens = model.layout.token_outputs
+        chunked = self._tokens is not None  # the trainer's own loss is chunked: keep it so
+        if wanted is False or (wanted is None and not chunked and not (installed is not None and installed.gated)):
             return False
         if not owns_loss:
             if wanted:
@@ -74,7 +79,7 @@ class FusedLossPlugin(Plugin):
             return
         if not self.head.armed:  # no plugin gates the head: the plain fused loss
             self.head.arm(targets)
-        self.head.fuse(step.loss_normalizer, self._smoothing)
+        self.head.fuse(step.loss_normalizer, self._smoothing, self._tokens)
 
 
 __all__ = ["FusedLossPlugin"]
