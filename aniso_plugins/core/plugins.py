@@ -19,7 +19,7 @@ import torch
 from aniso_plugins.core import builtins, hookspecs
 from aniso_plugins.core.config import AnisoConfig, ConfigError
 from aniso_plugins.core.layout import ParallelLayout
-from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.state import load_state, save_state
 from aniso_plugins.core.steps import RunInfo, StepInfo
 from aniso_plugins.numerics.reduce import Stat, reduce_stats
@@ -94,6 +94,40 @@ class AnisoPlugins:
     def in_head_forward(self) -> list[str]:
         """The registered plugins that act in the LM head's forward (``acts_in_head_forward``)."""
         return [name for name, plugin in self.pm.list_name_plugin() if getattr(plugin, "acts_in_head_forward", False)]
+
+    def loss_ownership(self, handle: ModelHandle, owns_loss: bool, why_not: str) -> tuple[bool, str]:
+        """(whether the head may compute the training loss, why not) after set-up: not where a
+        plugin reads the training logits (refused outright on a vocabulary shard), nor where the
+        trainer's own loss is chunked (`ParallelLayout.token_outputs`) and no plugin acts in the head."""
+        readers = self.reads_training_logits()
+        if readers and handle.vocab_mesh is not None:
+            raise SetupError(
+                f"{'; '.join(readers)}: under tensor parallelism with loss parallel each rank holds only its "
+                f"vocabulary shard of the training logits ({handle.vocab_mesh.size()} shards on "
+                f"{handle.vocab_mesh.mesh_dim_names}); measure it in a run without tensor parallelism"
+            )
+        if owns_loss and readers:
+            return False, "; ".join(readers)
+        if owns_loss and handle.layout.token_outputs is not None and not self.in_head_forward():
+            return False, "no method acts in the LM head: the trainer's own chunked head runs"
+        return owns_loss, why_not
+
+    def bypass_refusal(self, handle: ModelHandle) -> str | None:
+        """Why the plugins that act in the LM head's forward cannot run on `handle`'s model, whose
+        forward computes its loss from the head's weight without calling the head
+        (`ModelHandle.head_bypass`: they would silently do nothing), or None."""
+        acting = self.in_head_forward()
+        bypass = handle.head_bypass() if acting else None
+        if bypass is None:
+            return None
+        one = len(acting) == 1
+        return (
+            f"{', '.join(map(repr, acting))} act{'s' if one else ''} in the LM head's forward, which the model's "
+            f"training loss bypasses: {bypass}, so {'it' if one else 'they'} would silently do nothing. Remove that "
+            "patch (Liger-Kernel's fused_linear_cross_entropy, Cut Cross-Entropy's cce_patch, a fused-loss plugin) and "
+            "set AnisoConfig(fused_loss=True): aniso_plugins' fused loss never holds the logits either, with the "
+            "methods applied; or measure metrics only"
+        )
 
     def reads_training_logits(self) -> list[str]:
         """What the plugins read of the training logits (`aniso_reads_training_logits`)."""

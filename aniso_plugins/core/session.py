@@ -110,8 +110,7 @@ class TrainingSession:
 
     @property
     def uses_head_forward(self) -> bool:
-        """Whether a plugin acts in the LM head's training forward or reads its logits: a trainer
-        loss that bypasses the head (`ParallelLayout.token_outputs`) must then run through it."""
+        """Whether a plugin acts in the LM head's training forward or reads its logits."""
         return bool(self.plugins.in_head_forward() or self.plugins.reads_training_logits())
 
     @property
@@ -161,22 +160,14 @@ class TrainingSession:
         guard_module_hooks()
         layout = layout if layout is not None else ParallelLayout()
         self.check_layout(layout)
-        self._check_head_runs(handle)
+        bypassed = self.plugins.bypass_refusal(handle)
+        if bypassed is not None:
+            raise SetupError(bypassed)
         self.layout = handle.layout = layout
         try:
             with in_world(layout.world), handle.full_weights():  # a model an engine built partitioned (ZeRO-3's zero.Init)
                 self.plugins.setup(handle)
-            readers = self.plugins.reads_training_logits()
-            if readers and handle.vocab_mesh is not None:
-                raise SetupError(
-                    f"{'; '.join(readers)}: under tensor parallelism with loss parallel each rank holds only its "
-                    f"vocabulary shard of the training logits ({handle.vocab_mesh.size()} shards on "
-                    f"{handle.vocab_mesh.mesh_dim_names}); measure it in a run without tensor parallelism"
-                )
-            if owns_loss and readers:
-                owns_loss, why_not = False, "; ".join(readers)
-            if owns_loss and layout.token_outputs is not None and not self.plugins.in_head_forward():
-                owns_loss, why_not = False, "no method acts in the LM head: the trainer's own chunked head runs"
+            owns_loss, why_not = self.plugins.loss_ownership(handle, owns_loss, why_not)
             self._head_computes_loss = self.plugins.head_computes_loss(owns_loss, why_not or "the adapter cannot")
             head = handle.head()
             # prepended: the activation terms see the head's input before any probe replaces it
@@ -189,21 +180,6 @@ class TrainingSession:
             handle.restore()
             raise
         self.handle = handle
-
-    def _check_head_runs(self, handle: ModelHandle) -> None:
-        """Refuse the plugins that act in the LM head's forward where the model's forward computes
-        its loss from the head's weight without calling the head (`ModelHandle.head_bypass`):
-        they would silently do nothing."""
-        acting = self.plugins.in_head_forward()
-        bypass = handle.head_bypass() if acting else None
-        if bypass is not None:
-            raise SetupError(
-                f"{', '.join(map(repr, acting))} act{'s' if len(acting) == 1 else ''} in the LM head's forward, which "
-                f"the model's training loss bypasses: {bypass}, so {'it' if len(acting) == 1 else 'they'} would "
-                "silently do nothing. Remove that patch (Liger-Kernel's fused_linear_cross_entropy, Cut Cross-Entropy's "
-                "cce_patch, a fused-loss plugin) and set AnisoConfig(fused_loss=True): aniso_plugins' fused loss "
-                "never holds the logits either, with the methods applied; or measure metrics only"
-            )
 
     def check_layout(self, layout: ParallelLayout) -> None:
         """Raise `SetupError` with every plugin's refusal of `layout` (`aniso_refuse_layout`);

@@ -356,6 +356,15 @@ class FusedLabelSmoother:
         return _divided_by_denominator(fused_sum(logits, self.transform), labels, num_items_in_batch, self.ignore_index)
 
 
+def fused_token_outputs(logits: torch.Tensor, transform: LogitTransform = IDENTITY) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(each position's log-probability, the token outputs by name) from what a model's forward
+    passed where its logits would be while the head answered a chunked per-token call (TRL's fused
+    LM head: `aniso_plugins.methods.fused_loss.head.TrainingHead.fuse` with ``token_outputs``),
+    checked against the `transform` fused."""
+    fields = dict(getattr(logits, "fields", {}))
+    return fused_sum(logits, transform), fields
+
+
 def install_fused_causal_loss(model: nn.Module, ignore_index: int, transform: LogitTransform = IDENTITY) -> Callable[[], None]:
     """Set ``model.loss_function`` to `FusedCausalLMLoss` (its forward transforming the logits by
     `transform`); returns the function that undoes it."""
@@ -377,6 +386,7 @@ __all__ = [
     "FusedLabelSmoother",
     "causal_loss_denominator",
     "fused_loss_transform",
+    "fused_token_outputs",
     "install_fused_causal_loss",
     "label_alignment_in_forward",
     "labels_passed_to",

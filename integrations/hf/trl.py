@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
-from aniso_plugins.methods.fused_loss.loss_sum import fused_sum
+from aniso_plugins import LogitTransform
+from aniso_plugins.models.causal_loss import fused_token_outputs
 
 logger = logging.getLogger("aniso_plugins.hf")
 
@@ -93,8 +93,6 @@ def route_through_head(model: nn.Module, trainer, session, transform: LogitTrans
     call where no plugin acts in the head (TRL's own chunked head). `transform`: the logit
     transform the fused head applied (checked against the forward's). Returns the function that
     removes both hooks."""
-    from trl.trainer.utils import FusedCausalLMOutput
-
     config = getattr(model, "config", None)
     coefficient = getattr(config.get_text_config(), "router_aux_loss_coef", 0.0) if config is not None else 0.0
     answered, in_head = session.head_computes_loss, session.uses_head_forward
@@ -114,18 +112,7 @@ def route_through_head(model: nn.Module, trainer, session, transform: LogitTrans
     def after(module, args, kwargs, outputs):
         if not calls or "fused_lm_head" in kwargs:
             return None
-        labels, shift_labels, num_items_in_batch, chunked = calls.pop()
-        targets = _targets(labels, shift_labels)
-        if chunked:  # the head's log-probabilities and token outputs, never the logits
-            carrier = outputs.logits
-            fields = dict(getattr(carrier, "fields", {}))
-            fields = _fields(fused_sum(carrier, transform), fields, targets, shift_labels is None, num_items_in_batch)
-        else:
-            fields = fused_outputs_from_logits(outputs.logits, labels, shift_labels, num_items_in_batch)
-        aux = getattr(outputs, "aux_loss", None)
-        if aux is not None:
-            fields["loss"] = fields["loss"] + coefficient * aux
-        return FusedCausalLMOutput(**fields, aux_loss=aux)
+        return _fused_output(outputs, *calls.pop(), transform, coefficient)
 
     handles = [
         model.register_forward_pre_hook(before, with_kwargs=True),
@@ -145,6 +132,25 @@ def route_through_head(model: nn.Module, trainer, session, transform: LogitTrans
             handle.remove()
 
     return remove
+
+
+def _fused_output(outputs, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
+                  num_items_in_batch: torch.Tensor | int | None, chunked: bool, transform: LogitTransform,
+                  coefficient: float):
+    """TRL's ``FusedCausalLMOutput`` of a fused call the model's own forward ran: from the head's
+    log-probabilities and token outputs (`chunked`: the head answered TRL's call, never the
+    logits) or from its logits; plus the MoE aux term as TRL adds it."""
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    if chunked:
+        log_probs, extra = fused_token_outputs(outputs.logits, transform)
+        fields = _fields(log_probs, extra, _targets(labels, shift_labels), shift_labels is None, num_items_in_batch)
+    else:
+        fields = fused_outputs_from_logits(outputs.logits, labels, shift_labels, num_items_in_batch)
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is not None:
+        fields["loss"] = fields["loss"] + coefficient * aux
+    return FusedCausalLMOutput(**fields, aux_loss=aux)
 
 
 def _targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor:
