@@ -499,20 +499,23 @@ def test_agg_gates_an_unshifted_causal_lm_on_its_own_labels(tmp_path, build):
     torch.testing.assert_close(grads["agg"], grads["none"] - plain + gated, rtol=1e-4, atol=1e-6)
 
 
-def test_a_head_called_on_ngram_streams_is_refused_at_construction(tmp_path):
+@pytest.mark.parametrize("cls", ["ProphetNetForCausalLM", "ProphetNetForConditionalGeneration"])
+def test_a_head_called_on_ngram_streams_is_refused_at_construction(tmp_path, cls):
     """ProphetNet calls its head once on (B, n-gram, T, d) and trains every stream on the same
     labels in its own `_compute_loss`: the targets cannot be read from its forward, so
     `Trainer(...)` refuses it naming ``targets=`` (before, AGG failed in step 1 with a raw
-    "gated_linear: targets of shape (4, 16) do not match the positions of hidden (4, 2, 16)")."""
-    from transformers import ProphetNetConfig, ProphetNetForCausalLM
+    "gated_linear: targets of shape (4, 16) do not match the positions of hidden (4, 2, 16)"; the
+    seq2seq class was accepted as an encoder-decoder and failed so)."""
+    import transformers
+    from transformers import ProphetNetConfig
 
-    model = ProphetNetForCausalLM(ProphetNetConfig(
+    model = getattr(transformers, cls)(ProphetNetConfig(
         vocab_size=VOCAB, hidden_size=16, encoder_ffn_dim=32, decoder_ffn_dim=32, num_encoder_layers=1,
         num_decoder_layers=1, num_encoder_attention_heads=2, num_decoder_attention_heads=2, ngram=2,
         max_position_embeddings=32, pad_token_id=0, eos_token_id=1, bos_token_id=0,
     ))  # fmt: skip
     before = fingerprint(model)
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, **EXACT)
-    with pytest.raises(SetupError, match=r"ProphetNetForCausalLM.*self\._compute_loss.*targets="):
+    with pytest.raises(SetupError, match=cls + r".*self\._compute_loss.*targets="):
         Trainer(model=model, args=args, train_dataset=TokenDataset(n=4), callbacks=[AnisoCallback(cfg(method="agg"))])
     assert_unchanged(before, model)

@@ -47,11 +47,13 @@ class ParallelLayout:
         already), with the way out; None: a plugin may add parameters at set-up.
     head_bypassed: why the trainer's loss reads the LM head's weight without calling its forward
         (a fused kernel of its own), with the way out; None: the head's forward runs.
-    token_outputs: the trainer's loss takes each token's log-probability from a chunked LM head
-        of its own and these token outputs beside it (TRL's fused LM head: ``FusedCausalLMOutput``'s
-        fields, `aniso_plugins.methods.fused_loss.token_outputs.TOKEN_OUTPUTS`); the adapter lets
-        the head answer that call (`TrainingSession.head_computes_loss`), chunk by chunk, where a
-        plugin acts in the head's forward. None: the trainer's loss takes a sum or the logits."""
+    chunked_loss: what makes the trainer's own loss chunked, never the logits (TRL's fused LM
+        head, Liger-Kernel's fused linear cross-entropy), which the adapter lets the head answer,
+        chunk by chunk, where a plugin acts in the head's forward: the fused loss is then on by
+        default (``fused_loss=None``). None: the trainer's loss reads the logits.
+    token_outputs: the trainer's chunked loss takes each token's log-probability and these token
+        outputs beside it (TRL's ``FusedCausalLMOutput`` fields,
+        `aniso_plugins.methods.fused_loss.token_outputs.TOKEN_OUTPUTS`), not a sum."""
 
     world: dist.ProcessGroup | None = None
     batch_group: dist.ProcessGroup | None = None
@@ -64,6 +66,7 @@ class ParallelLayout:
     backward_runs_twice: bool = False
     parameters_fixed: str | None = None
     head_bypassed: str | None = None
+    chunked_loss: str | None = None
     token_outputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:

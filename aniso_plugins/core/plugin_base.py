@@ -30,8 +30,9 @@ class Plugin:
     name = ""
     acts_in_head_forward: ClassVar[bool] = False
     """Whether the plugin changes training in the LM head's forward or through what the session
-    attaches there (gates, loss terms, a fused loss): a trainer whose loss bypasses the head's
-    forward (`ParallelLayout.head_bypassed`) is then refused, since the plugin would do nothing."""
+    attaches there (gates, loss terms, a fused loss), or reads that forward (the training logits):
+    a trainer whose loss bypasses the head's forward (`ParallelLayout.head_bypassed`, or a model
+    forward that does, `ModelHandle.head_bypass`) is then refused, since the plugin would do nothing."""
     reads_every_block: ClassVar[bool] = False
     """Whether the plugin reads every block's outputs (`ModelHandle.hook_blocks`): a layout whose
     pipeline stages split the blocks (`ParallelLayout.pipeline_stages`) is then refused."""

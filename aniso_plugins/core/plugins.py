@@ -98,7 +98,7 @@ class AnisoPlugins:
     def loss_ownership(self, handle: ModelHandle, owns_loss: bool, why_not: str) -> tuple[bool, str]:
         """(whether the head may compute the training loss, why not) after set-up: not where a
         plugin reads the training logits (refused outright on a vocabulary shard), nor where the
-        trainer's own loss is chunked (`ParallelLayout.token_outputs`) and no plugin acts in the head."""
+        trainer's own loss is chunked (`ParallelLayout.chunked_loss`) and no plugin acts in the head."""
         readers = self.reads_training_logits()
         if readers and handle.vocab_mesh is not None:
             raise SetupError(
@@ -108,7 +108,7 @@ class AnisoPlugins:
             )
         if owns_loss and readers:
             return False, "; ".join(readers)
-        if owns_loss and handle.layout.token_outputs is not None and not self.in_head_forward():
+        if owns_loss and handle.layout.chunked_loss is not None and not self.in_head_forward():
             return False, "no method acts in the LM head: the trainer's own chunked head runs"
         return owns_loss, why_not
 

@@ -45,9 +45,15 @@ def alignment_of(model: nn.Module) -> LabelAlignment:
     cannot tell (no such evidence, contradicting evidence, or a loss computed by a submodule
     that is handed the labels)."""
     config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return SEQ2SEQ
     name = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        computed_by = labels_passed_to(model, methods=True)
+        if computed_by is not None:
+            raise SetupError(
+                f"cannot tell how {name}'s loss aligns its logits with its labels: its forward hands the labels to "
+                f"{computed_by}, a loss of its own (ProphetNet trains its n-gram streams there); {TARGETS_HINT}"
+            )
+        return SEQ2SEQ
     in_code = label_alignment_in_forward(model)
     if in_code is not None:
         return LabelAlignment(in_code)

@@ -119,9 +119,15 @@ def label_alignment_in_forward(model: nn.Module) -> str | None:
     return "causal" if any(_is_shift(n) for n in ast.walk(tree) if isinstance(n, ast.Subscript)) else "aligned"
 
 
-def labels_passed_to(model: nn.Module) -> str | None:
+_LABEL_SHIFTS = ("_shift_right", "prepare_decoder_input_ids_from_labels")
+"""Methods of encoder-decoders that make the decoder's inputs from the labels (no loss)."""
+
+
+def labels_passed_to(model: nn.Module, methods: bool = False) -> str | None:
     """The call (``self.pred_layer``) to which `model`'s forward hands its ``labels``, where it
-    computes no loss of its own (XLM's head computes it), or None."""
+    computes no loss of its own (XLM's head computes it), or None. `methods`: only a method of the
+    model's own other than those that shift the labels into decoder inputs (ProphetNet's
+    ``self._compute_loss``, which trains its n-gram streams on the same labels)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
     except (OSError, TypeError, SyntaxError):
@@ -130,6 +136,9 @@ def labels_passed_to(model: nn.Module) -> str | None:
         arguments = [*call.args, *(k.value for k in call.keywords)]
         takes_labels = any(isinstance(a, ast.Name) and a.id == "labels" for a in arguments)
         own = isinstance(call.func, ast.Attribute) and _is_self_attribute(call.func, call.func.attr)
+        if methods and own and (call.func.attr in _LABEL_SHIFTS or not callable(getattr(type(model), call.func.attr, None))
+                                or call.func.attr in model._modules):
+            continue
         if takes_labels and own and call.func.attr != "loss_function":  # loss_function: `label_alignment_in_forward`
             return f"self.{call.func.attr}"
     return None

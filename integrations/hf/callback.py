@@ -21,6 +21,7 @@ from aniso_plugins import micro_batch_targets, target_rule
 from aniso_plugins.models.causal_loss import FusedLabelSmoother, install_fused_causal_loss
 from aniso_plugins.models.handle import peft_base_model
 import aniso_plugins.integrations.hf.layout as layout
+import aniso_plugins.integrations.hf.liger as liger
 import aniso_plugins.integrations.hf.patches as patches
 import aniso_plugins.integrations.hf.trl as trl
 from aniso_plugins.integrations.hf.checkpoints import newest_complete_checkpoint
@@ -78,6 +79,7 @@ class AnisoCallback(TrainerCallback):
         self._patches: patches.Patches = {}
         self._owned = False  # built by AnisoTrainerMixin: its class methods do what patches.wrap_trainer does
         self._trl_unroute: Callable[[], None] | None = None  # removes trl.route_through_head's hooks
+        self._labels_at_fused_call = False  # TRL's DPO, GRPO, ...: micro-batches announced at the fused call
         self._console_undo: Callable[[], None] = lambda: None  # gives the Trainer's printer its on_log back
 
     # --- wiring -----------------------------------------------------------------------------
@@ -122,9 +124,6 @@ class AnisoCallback(TrainerCallback):
                 f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
                 "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
             )
-        trl_refusal = trl.refusal(trainer)
-        if trl_refusal is not None:
-            raise SetupError(trl_refusal)
         self.session.check_layout(layout.layout_of(trainer))  # refused before any callback's set-up
         if self.session.handle is None:
             model = hf_handle(trainer.model, self._head).model
@@ -139,9 +138,23 @@ class AnisoCallback(TrainerCallback):
             self.session.detach()
             self.session = TrainingSession(self.config, self._plugins)
         why_not = _why_loss_is_not_reproduced(self.trainer, handle, self.config)
-        self.session.setup(handle, layout.layout_of(self.trainer), owns_loss=why_not is None, why_not=why_not or "")
+        run_layout = layout.layout_of(self.trainer)
+        if self.session.uses_head_forward:  # Liger's fused linear cross-entropy set aside for ours
+            handle.on_restore(liger.answer(self.trainer, handle.model))
+            if why_not is not None and run_layout.chunked_loss and run_layout.token_outputs is None and self.config.fused_loss is not False:
+                handle.restore()
+                raise SetupError(
+                    f"{run_layout.chunked_loss} never holds the logits; aniso_plugins' fused loss would answer it with "
+                    f"the methods applied, but not for this model: {why_not}. Set liger_kernel_config="
+                    "{'fused_linear_cross_entropy': False} (or AnisoConfig(fused_loss=False): the logits in memory), "
+                    "or train without Liger's fused linear cross-entropy"
+                )
+        self.session.setup(handle, run_layout, owns_loss=why_not is None, why_not=why_not or "")
         self._unroute_trl()
-        if trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
+        self._labels_at_fused_call = trl.labels_at_fused_call(self.trainer)
+        if self._labels_at_fused_call:  # TRL's DPO, GRPO, ...: each micro-batch announced at the policy's fused call
+            self._trl_unroute = trl.announce_fused_calls(model, self._announce)
+        elif trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
             self._trl_unroute = trl.route_through_head(model, self.trainer, self.session, layout.head_transform(handle))
         elif self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
             transform = layout.head_transform(handle)
@@ -212,7 +225,12 @@ class AnisoCallback(TrainerCallback):
         self.session.begin_step(reads, step=self.trainer.state.global_step + 1)
 
     def before_training_step(self, inputs: dict[str, Any]) -> None:
-        """A training micro-batch is about to run: announce its targets to the session."""
+        """A training micro-batch is about to run: announce its targets to the session (for TRL's
+        trainers whose loss builds the labels, at the policy's fused call instead: `_announce`)."""
+        if not self._labels_at_fused_call:
+            self._announce(inputs)
+
+    def _announce(self, inputs: dict[str, Any]) -> None:
         read = self._rule.read(inputs, self.config.ignore_index)
         input_ids = inputs.get("input_ids")
         self._supplying = read.targets is None and self.session.supplies_loss and input_ids is not None

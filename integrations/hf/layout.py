@@ -9,6 +9,7 @@ from __future__ import annotations
 from aniso_plugins import DeepSpeedLossScale, GradScaler, LogitTransform, OutputEmbeddingsHandle, ParallelLayout, SetupError
 from aniso_plugins.models.causal_loss import fused_loss_transform, loss_divides_by_item_count
 from aniso_plugins.models.handle import peft_base_model
+import aniso_plugins.integrations.hf.liger as liger
 import aniso_plugins.integrations.hf.trl as trl
 
 from transformers import Trainer
@@ -72,16 +73,18 @@ def layout_of(trainer: Trainer) -> ParallelLayout:
     """The `ParallelLayout` of a Trainer the adapter serves (`refusal` raises `SetupError` for
     the others): its engines all average gradients over whole micro-batches (the defaults);
     what the Trainer has fixed already: an optimizer it was given (no parameter can be added),
-    Liger's kernel (its loss reads ``lm_head.weight`` without the head's forward)."""
+    TRL's trainers whose loss bypasses the head, and the chunked losses the head answers (TRL's
+    SFTTrainer's fused LM head, Liger-Kernel's fused linear cross-entropy)."""
     why = refusal(trainer)
     if why is not None:
         raise SetupError(why)
+    tokens = trl.token_outputs(trainer) if trl.is_trl_trainer(trainer) else None
     return ParallelLayout(
         parameters_fixed="the Trainer was given an optimizer already; let the Trainer create its optimizer"
         if trainer.optimizer is not None else None,
-        head_bypassed="TrainingArguments(use_liger_kernel=True) bypasses (its loss reads lm_head.weight directly): "
-        "turn Liger off" if getattr(trainer.args, "use_liger_kernel", False) else None,
-        token_outputs=trl.token_outputs(trainer) if trl.is_trl_trainer(trainer) else None,
+        head_bypassed=trl.head_bypassed(trainer),
+        chunked_loss="TRL's fused LM head" if tokens is not None else liger.chunked_loss(trainer, peft_base_model(trainer.model)),
+        token_outputs=tokens,
     )
 
 

@@ -4,22 +4,22 @@
 TRL's ``SFTTrainer`` patches the model's forward (``trl.trainer.utils.add_fused_lm_head``,
 after ``Trainer.__init__``, so after the callback's set-up) and trains on
 ``model(..., fused_lm_head=True)``: the per-token log-probabilities computed in chunks straight
-from ``lm_head.weight``, without running the LM head module. Nothing installed on the head
-would run (AGG's gated forward, the loss terms, the metrics' hooks). `route_through_head`
-turns a fused call into the model's own forward, through its head, and returns TRL's
-``FusedCausalLMOutput`` computed from the head's logits, as ``transformers.Trainer`` trains
-(the logits are held in memory, as with the Trainer):
+from ``lm_head.weight``, without running the LM head module, where every method acts. Where a
+plugin acts there, `route_through_head` turns a fused call into the model's own forward, through
+its head, and returns TRL's ``FusedCausalLMOutput``:
 
     log_probs[n] = log softmax(z_n)[y_n] (with its gradient),   entropy[n] = −Σ_v p_nv log p_nv,
     is_top1[n] = [argmax_v z_nv = y_n],   label_mask[n] = [y_n ≠ −100]   (zero where y_n = −100),
     loss = −Σ_n log_probs[n] / (num_items_in_batch or Σ_n label_mask[n]) (+ the MoE aux term),
 
 with TRL's alignment (``z = logits[:, :-1]``, ``y = labels[:, 1:]``; ``shift_labels`` as
-given). Where SFTTrainer computes the loss from the model's logits itself (a
-``compute_loss_func``; label smoothing), its fused call only feeds TRL's metrics, without
-gradients, and stays TRL's. TRL's other trainers (DPO, GRPO, KTO, RLOO, ...) compute
-log-probabilities of their own from ``lm_head.weight`` and are refused at construction
-(`refusal`).
+given), computed by the head chunk by chunk (the fused loss's token outputs: the logits are never
+held) or, where the head cannot answer, from its logits. Where SFTTrainer computes the loss from
+the model's logits itself (a ``compute_loss_func``; label smoothing), its fused call only feeds
+TRL's metrics, without gradients, and stays TRL's. TRL's other trainers (DPO, GRPO, KTO, RLOO,
+...) build their labels inside the loss and score them with TRL's head: their micro-batches are
+announced at the policy's fused calls (`announce_fused_calls`), for the metrics; the methods are
+refused (`head_bypassed`).
 """
 
 from __future__ import annotations
@@ -46,19 +46,42 @@ def is_trl_trainer(trainer: object) -> bool:
     return any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
 
 
-def refusal(trainer: object) -> str | None:
-    """Why `AnisoCallback` cannot run inside `trainer`, or None (not TRL, or TRL's SFTTrainer)."""
+def labels_at_fused_call(trainer: object) -> bool:
+    """Whether `trainer` is one of TRL's trainers whose batches carry no labels: its loss builds
+    them and passes them to the policy's fused calls (DPO, KTO, GRPO, RLOO, ...; not SFTTrainer)."""
     if not is_trl_trainer(trainer):
-        return None
+        return False
     from trl import SFTTrainer
 
-    if isinstance(trainer, SFTTrainer):
+    return not isinstance(trainer, SFTTrainer)
+
+
+def head_bypassed(trainer: object) -> str | None:
+    """`ParallelLayout.head_bypassed` of TRL's trainers other than SFTTrainer (`labels_at_fused_call`),
+    whose losses compute their log-probabilities from lm_head.weight with TRL's fused LM head."""
+    if not labels_at_fused_call(trainer):
         return None
-    return (
-        f"TRL's {type(trainer).__name__} computes the log-probabilities of its loss from lm_head.weight with its own "
-        "fused LM head, bypassing the LM head module that aniso_plugins' methods and metrics act on; AnisoCallback "
-        "supports TRL's SFTTrainer (and transformers' Trainer): train with SFTTrainer, or without AnisoCallback"
-    )
+    return (f"TRL's {type(trainer).__name__} bypasses (its loss computes the log-probabilities from lm_head.weight "
+            "with TRL's fused LM head, trl.trainer.utils.add_fused_lm_head): train the methods with TRL's SFTTrainer "
+            "or transformers' Trainer; here the metrics that read the weights and the trained tokens run (geometry, "
+            "frequency, under_trained, ...)")
+
+
+def announce_fused_calls(model: nn.Module, announce: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[], None]:
+    """Announce each training micro-batch of a `labels_at_fused_call` trainer where its labels
+    appear: at each fused call of the policy `model` with gradients, `announce` gets
+    ``{"labels": ...}`` (or ``{"shift_labels": ...}``), the targets TRL scores (the completions'
+    tokens; −100 elsewhere). Calls without gradients (reference models, old log-probabilities,
+    KTO's KL term) train nothing and are not announced. Returns the function that removes the hook."""
+
+    def before(module, args, kwargs):
+        if kwargs.get("fused_lm_head") and module.training and torch.is_grad_enabled():
+            key = "shift_labels" if kwargs.get("shift_labels") is not None else "labels"
+            if kwargs.get(key) is not None:
+                announce({key: kwargs[key]})
+        return None
+
+    return model.register_forward_pre_hook(before, with_kwargs=True).remove
 
 
 def _routes_its_loss(trainer) -> bool:
@@ -202,4 +225,5 @@ def fused_outputs_from_logits(
     return _fields(log_probs.view(shape), extra, targets, shift_labels is None, num_items_in_batch)
 
 
-__all__ = ["SFT_TOKEN_OUTPUTS", "fused_outputs_from_logits", "is_trl_trainer", "refusal", "route_through_head", "token_outputs"]
+__all__ = ["SFT_TOKEN_OUTPUTS", "announce_fused_calls", "fused_outputs_from_logits", "head_bypassed", "is_trl_trainer",
+           "labels_at_fused_call", "route_through_head", "token_outputs"]

@@ -2,8 +2,8 @@
 
 Asked after set-up (`aniso_head_computes_loss`), it fuses when ``config.fused_loss`` is True,
 or is None and a plugin gates the head's weight gradient (AGG installed the training head) or
-the trainer's own loss is chunked (`ParallelLayout.token_outputs`: TRL's fused LM head, which the
-head then answers token by token), and the adapter reproduces the trainer's loss exactly
+the trainer's own loss is chunked (`ParallelLayout.chunked_loss`: TRL's fused LM head, answered
+token by token, `ParallelLayout.token_outputs`; Liger's), and the adapter reproduces the trainer's loss exactly
 (``owns_loss``; else ``why_not`` says why, logged once at info level, or raised for
 ``fused_loss=True``). Fusing, it installs the training
 head if no plugin did, and on each training micro-batch (after the other plugins' `aniso_targets`,
@@ -50,7 +50,7 @@ class FusedLossPlugin(Plugin):
         model: ModelHandle = self.model
         installed = TrainingHead.installed_on(model.head())
         self._tokens = model.layout.token_outputs
-        chunked = self._tokens is not None  # the trainer's own loss is chunked: keep it so
+        chunked = model.layout.chunked_loss is not None  # the trainer's own loss is chunked: keep it so
         if wanted is False or (wanted is None and not chunked and not (installed is not None and installed.gated)):
             return False
         if not owns_loss:

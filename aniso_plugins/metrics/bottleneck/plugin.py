@@ -88,6 +88,8 @@ def _head_factors(module: nn.Module) -> tuple[torch.Tensor, ...] | None:
 class BottleneckPlugin(Plugin):
     """Probe of the LM-head gradient bottleneck on one micro-batch per probe step."""
 
+    acts_in_head_forward = True  # it reads the training logits and their gradient there
+
     name = "bottleneck"
 
     def __init__(self, config: AnisoConfig) -> None:
