@@ -124,3 +124,16 @@ def test_bad_names_and_a_shard_are_refused_with_the_fix():
         fused_linear_cross_entropy(h, w, y, token_outputs="entropy")
     with pytest.raises(ValueError, match="among"):
         fused_linear_cross_entropy(h, w, y, token_outputs=("perplexity",))
+
+
+@pytest.mark.parametrize("n, v, rows", [(2048, 151936, 256), (2048, 50257, 1024), (300, 32768, 256), (64, 262144, None),
+                                        (100000, 151936, 512)])
+def test_a_per_token_call_takes_whole_rows_within_trls_tile(n, v, rows):
+    """The head answering TRL's fused call holds at most TRL's tile of logits (4096 tokens × 32768
+    ids, or its N tokens × 32768 below 4096): the largest power of two of whole rows that fits,
+    or the default plan where fewer than 64 rows would."""
+    from aniso_plugins.methods.fused_loss.head import token_tile_rows
+
+    assert token_tile_rows(n, v) == rows
+    if rows is not None:
+        assert rows * v <= min(n, 4096) * 32768 < 2 * rows * v or rows == 1024

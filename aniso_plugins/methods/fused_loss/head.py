@@ -16,10 +16,12 @@ from aniso_plugins.core.steps import TargetChunks
 from aniso_plugins.methods.fused_loss.cross_entropy import fused_linear_cross_entropy
 from aniso_plugins.methods.fused_loss.linear import gated_linear
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
+from aniso_plugins.methods.fused_loss.passes import FLOOR_ROWS
 from aniso_plugins.methods.fused_loss.loss_sum import FusedLossSum
 from aniso_plugins.methods.fused_loss.row_gates import RowGates
 from aniso_plugins.methods.heads.lowrank import LowRankHead
 from aniso_plugins.numerics.distributed import VocabShard
+from aniso_plugins.numerics.linalg import ROW_BLOCK
 
 logger = logging.getLogger("aniso_plugins")
 
@@ -167,13 +169,29 @@ class TrainingHead:
     def _token_log_probs(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, gates: RowGates | None, tokens: tuple[str, ...]) -> FusedLossSum:
         """log p_i(y_i) of every position (−CE_i, 0 where ignored) with `tokens` in ``fields``."""
+        rows = self.chunk_size or token_tile_rows(targets.numel(), weight.shape[0] if self.shard is None else self.shard.total)
         out = fused_linear_cross_entropy(
             hidden, weight, targets, gates, bias=bias, ignore_index=self.ignore_index, reduction="none",
-            chunk_size=self.chunk_size, shard=self.shard, logit_transform=self.logit_transform,
+            chunk_size=rows, shard=self.shard, logit_transform=self.logit_transform,
             token_outputs=tokens, return_lse=not tokens,
         )
         fields = {name: getattr(out, name) for name in tokens}
         return FusedLossSum.wrap(-out.loss, fields)
+
+
+TOKEN_TILE_LOGITS = 4096 * 32768
+"""The logits of TRL's chunked head's tile (``trl.kernels.chunked_logprob``: 4096 tokens × 32768
+ids): a per-token call that answers TRL's head holds at most as many at a time (`token_tile_rows`)."""
+
+
+def token_tile_rows(n: int, v: int) -> int | None:
+    """Token rows per whole-row tile of a per-token call of `n` rows over `v` ids: the power of two
+    whose tile fits in TRL's at its `n` (`TOKEN_TILE_LOGITS`, at most `ROW_BLOCK` rows), or None (the
+    default plan) where fewer than `FLOOR_ROWS` would fit."""
+    fit = min(n, 4096) * (TOKEN_TILE_LOGITS // 4096) // max(v, 1)
+    if fit < FLOOR_ROWS:
+        return None
+    return min(1 << (fit.bit_length() - 1), ROW_BLOCK)
 
 
 LINEAR_FORWARDS = (nn.Linear.forward, LowRankHead.forward)
@@ -208,4 +226,4 @@ def check_linear_head(module: nn.Module, framework_forward: bool = False, who: s
         )
 
 
-__all__ = ["LINEAR_FORWARDS", "TrainingHead", "check_linear_head"]
+__all__ = ["LINEAR_FORWARDS", "TOKEN_TILE_LOGITS", "TrainingHead", "check_linear_head", "token_tile_rows"]

@@ -203,7 +203,7 @@ def _chunk_pass(c: _Chunk, grads) -> tuple:
     stats, z = None, None
     for s, e in blocks:
         z = c.tile.logits(c.x, c.w[s:e], None if c.b is None else c.b[s:e])
-        part = _tile_stats(c, z, s, e, keep=len(blocks) == 1)
+        part = _tile_stats(c, z, s, e, keep=want and len(blocks) == 1)
         stats = part if stats is None else _combine(stats, part)
     if c.o.shard is not None:
         stats = _reduce_over_shards(stats, c.o.shard.group)
@@ -234,8 +234,12 @@ def _tile_stats(c: _Chunk, z: torch.Tensor, s: int, e: int, keep: bool) -> _Rows
             c.o.transform.apply_(work)
         k = slice(i, i + work.shape[0])
         if c.o.tokens:
-            tokens.append(token_stats(work, s + (0 if c.o.shard is None else c.o.shard.start))[1:])
-        parts.append(block_stats(work, local[k], owned[k], _classes(c, s, e), bool(c.terms.smoothing), keep))
+            part, token = token_stats(work, s + (0 if c.o.shard is None else c.o.shard.start), local[k], owned[k],
+                                      _classes(c, s, e), bool(c.terms.smoothing), keep)
+            parts.append(part)
+            tokens.append(token)
+        else:
+            parts.append(block_stats(work, local[k], owned[k], _classes(c, s, e), bool(c.terms.smoothing), keep))
     stats = [None if p[0] is None else torch.cat(p) for p in zip(*parts)]
     return _Rows(*stats, TokenRows(*(torch.cat(p) for p in zip(*tokens))) if tokens else None)
 

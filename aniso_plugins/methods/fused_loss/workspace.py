@@ -162,19 +162,24 @@ def block_stats(w: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, class
     return shifted.exp_().sum(1).log_().add_(peak), target, total
 
 
-def token_stats(w: torch.Tensor, first_id: int) -> tuple[torch.Tensor, ...]:
-    """The per-row statistics of a block of float32 logits z' (`w`, ids ``first_id`` on, left
-    unchanged) from which each token's outputs are combined over blocks (`passes`):
-    (log Σ_k exp z'_k, E_p[z'] = Σ_k p_k z'_k under the block's softmax, log Σ_k exp 2z'_k,
-    max_k z'_k, the first id of that maximum, Σ_k z'_k). One temporary of the block's size."""
+def token_stats(w: torch.Tensor, first_id: int, local: torch.Tensor, owned: torch.Tensor, classes: torch.Tensor | None,
+                want_sum: bool, keep: bool) -> tuple[tuple, tuple]:
+    """`block_stats` and, beside them, the statistics from which each token's outputs are combined
+    over blocks (`passes.TokenRows`): (E_p[z'] = Σ_k p_k z'_k under the block's softmax,
+    log Σ_k exp 2z'_k, max_k z'_k, the first id of that maximum (ids ``first_id`` on), Σ_k z'_k),
+    in one pass over the block's float32 logits `w`: unchanged with `keep` (two temporaries of its
+    size), else overwritten by z' − max (one)."""
+    target = torch.where(owned, w.gather(1, local[:, None]).squeeze(1), 0.0)
+    total = w.sum(1)
+    weighted = None if not want_sum else (total if classes is None else torch.mv(w, classes))
     at = w.argmax(1)
     peak = w.gather(1, at[:, None]).squeeze(1)
-    shifted = torch.sub(w, peak[:, None])
+    shifted = torch.sub(w, peak[:, None]) if keep else w.sub_(peak[:, None])
     e = shifted.exp()
     mass = e.sum(1)
     mean = torch.linalg.vecdot(e, shifted, dim=1).div_(mass).add_(peak)
     squares = torch.linalg.vector_norm(e, dim=1).log_().add_(peak).mul_(2.0)
-    return mass.log_().add_(peak), mean, squares, peak, at + first_id, w.sum(1)
+    return (mass.log_().add_(peak), target, weighted), (mean, squares, peak, at + first_id, total)
 
 
 def softmax_stats_(w: torch.Tensor, local: torch.Tensor, owned: torch.Tensor, classes: torch.Tensor | None,
