@@ -1,12 +1,12 @@
 """Smoke tests of the package as a user installs it: run by `.ci/run` with the interpreter of a
 fresh virtual environment that holds the built wheel (no source tree on ``sys.path``).
 
-    python tests/installed_smoke.py STAGE [STAGE ...]    # core hf report postprocess trl lightning torchtitan
+    python tests/installed_smoke.py STAGE [STAGE ...]    # core hf report postprocess trl lightning torchtitan liger
 
 Each stage needs the extras installed before it (`.ci/run` adds them one group at a time, so a
 stage also proves that its extra pulls in what it imports): ``core`` the bare wheel, ``hf`` and
 ``report`` and ``postprocess`` ``[hf,report,sentences]``, ``trl``, ``lightning`` and
-``torchtitan`` ``[trl,lightning,torchtitan]`` (with the first group, in one resolution). Every stage writes under ``$ANISO_SMOKE_DIR`` (default: a new
+``torchtitan`` and ``liger`` ``[trl,lightning,torchtitan,liger]`` (with the first group, in one resolution). Every stage writes under ``$ANISO_SMOKE_DIR`` (default: a new
 temporary folder); ``hf`` saves the tiny checkpoints the ``report`` and ``postprocess`` stages
 read. Nothing is downloaded: the models are built from configs, the text is Python's own help
 topics. Exit 0 when every stage passed; a failing stage raises.
@@ -123,8 +123,7 @@ def stage_hf() -> None:
 
 def stage_trl() -> None:
     """TRL's ``SFTTrainer`` with AGG for 2 steps on a tiny Llama and the Python help text: the
-    fused LM head runs through the model's head (AGG would refuse otherwise) and the metrics
-    reach TRL's log beside its own."""
+    head answers TRL's fused LM head chunk by chunk and the metrics reach TRL's log beside its own."""
     import torch
     from datasets import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -147,6 +146,33 @@ def stage_trl() -> None:
     trainer.train()
     logged = [r for r in trainer.state.log_history if "loss" in r]
     assert len(logged) == 2 and all("aniso/geometry/head/isotropy" in r and "entropy" in r for r in logged), logged
+
+
+def stage_liger() -> None:
+    """``use_liger_kernel=True`` with AGG for one step on a tiny Llama: Liger's fused linear
+    cross-entropy is set aside and the fused loss trains (Liger's other kernels off: no Triton
+    kernel runs without a GPU)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from aniso_plugins import AnisoConfig
+    from aniso_plugins.integrations.hf import AnisoCallback
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False))
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    kernels = {"fused_linear_cross_entropy": True, "rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False}
+    args = TrainingArguments(output_dir=str(WORK / "liger_run"), max_steps=1, per_device_train_batch_size=8, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, use_liger_kernel=True,
+                             liger_kernel_config=kernels, logging_steps=1)
+    callback = AnisoCallback(AnisoConfig(method="agg", metrics=("geometry",)))
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in ids],
+                      callbacks=[callback])
+    assert callback.session.head_computes_loss and not args.liger_kernel_config["fused_linear_cross_entropy"]
+    trainer.train()
+    assert any("aniso/geometry/head/isotropy" in r for r in trainer.state.log_history)
 
 
 def stage_report() -> None:
@@ -236,7 +262,7 @@ def stage_torchtitan() -> None:
     assert any(t.startswith("aniso/geometry/head/") for t in tags), tags
 
 
-STAGES = {"core": stage_core, "hf": stage_hf, "report": stage_report, "postprocess": stage_postprocess,
+STAGES = {"core": stage_core, "hf": stage_hf, "report": stage_report, "postprocess": stage_postprocess, "liger": stage_liger,
           "trl": stage_trl, "lightning": stage_lightning, "torchtitan": stage_torchtitan}
 
 

@@ -208,3 +208,18 @@ def test_update_errors():
         counter.update(torch.tensor([0.0, 1.0]))
     counter.update(torch.tensor([-100, -100]))  # only ignored positions: nothing counted
     assert int(counter.counts().sum()) == 0
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_the_newest_completed_step_is_reported_whatever_the_window(window):
+    """After `step`, `newest_step_counts` is the step just completed, also with K = 1 (which keeps
+    no completed step in its window: AGG's ``rare_target_fraction`` read 0/0 = nan in a one-step
+    epoch)."""
+    counter = SlidingTokenCounter(10, window=window)
+    for ids in ([1, 1, 2, -100], [3, 3, 3, 9]):
+        counter.update(torch.tensor(ids))
+        counter.step()
+        expected = torch.bincount(torch.tensor([i for i in ids if i >= 0]), minlength=10)
+        assert torch.equal(counter.newest_step_counts(), expected)
+    counter.update(torch.tensor([4]))
+    assert torch.equal(counter.newest_step_counts(), torch.bincount(torch.tensor([4]), minlength=10))  # the current one

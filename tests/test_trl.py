@@ -13,12 +13,11 @@ import torch.nn.functional as F
 from datasets import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from aniso_plugins import AnisoConfig, SetupError
+from aniso_plugins import AnisoConfig
 from aniso_plugins.integrations.hf import AnisoCallback
 from aniso_plugins.integrations.hf.trl import fused_outputs_from_logits
 from hf_utils import tiny_llama
 from references import agg_output_grad, regularizer_grad
-from test_reliability import assert_unchanged, fingerprint
 from word_data import VOCAB, texts, tokenizer
 
 trl = pytest.importorskip("trl")

@@ -78,7 +78,7 @@ def layout_of(trainer: Trainer) -> ParallelLayout:
     why = refusal(trainer)
     if why is not None:
         raise SetupError(why)
-    tokens = trl.token_outputs(trainer) if trl.is_trl_trainer(trainer) else None
+    tokens = trl.token_outputs(trainer)
     return ParallelLayout(
         parameters_fixed="the Trainer was given an optimizer already; let the Trainer create its optimizer"
         if trainer.optimizer is not None else None,

@@ -98,6 +98,8 @@ SFT_TOKEN_OUTPUTS = ("entropy", "is_top1")
 def token_outputs(trainer) -> tuple[str, ...] | None:
     """The token outputs of the trainer's chunked loss (`ParallelLayout.token_outputs`): those of
     TRL's SFTTrainer where its training loss comes from its fused call, else None."""
+    if not is_trl_trainer(trainer):  # trl may not be installed
+        return None
     from trl import SFTTrainer
 
     return SFT_TOKEN_OUTPUTS if isinstance(trainer, SFTTrainer) and _routes_its_loss(trainer) else None

@@ -114,6 +114,7 @@ class SlidingTokenCounter:
         self._total = torch.zeros(vocab_size, dtype=torch.int64, device=self.device)
         self._ring: deque[_Step] = deque()  # completed steps, oldest first
         self._current: torch.Tensor | None = None  # dense counts of step t, on the device
+        self._newest: torch.Tensor | None = None  # int32 counts of step t − 1, kept for reporting (K = 1 keeps no ring)
 
     # --- reading ------------------------------------------------------------------------------
     @property
@@ -162,9 +163,12 @@ class SlidingTokenCounter:
     def newest_step_counts(self) -> torch.Tensor:
         """int64 (V,) on the device: the counts of the newest completed step (after `step`), else
         of the current one."""
-        if self._current is not None or not self._ring:
-            current = self._current
-            return current.clone() if current is not None else torch.zeros_like(self._total)
+        if self._current is not None:
+            return self._current.clone()
+        if self._newest is not None:
+            return self._newest.to(torch.int64)
+        if not self._ring:
+            return torch.zeros_like(self._total)
         newest = self._ring[-1]
         if newest.device is not None:
             return newest.device.to(torch.int64)
@@ -214,7 +218,7 @@ class SlidingTokenCounter:
         asynchronously), the step t−K+1 leaves it, t ← t+1. The step before it, whose copy has
         had a whole step to arrive, is resolved into its sparse pair."""
         counts = self._current.to(torch.int32) if self._current is not None else None
-        self._current = None
+        self._current, self._newest = None, counts
         self._ring.append(_Step(counts))
         while len(self._ring) > self.window - 1:
             self._evict(self._ring.popleft())
@@ -307,5 +311,6 @@ class SlidingTokenCounter:
         np.add.at(current, cur_ids, cur_counts)
         self._t = t
         self._ring = deque(_Step(sparse=_compact(i, c, v)) for i, c in steps)
+        self._newest = None  # the ring's newest step reports it
         self._current = to_device(current, self.device) if cur_ids.size else None
         self._total = to_device(total + current, self.device)
