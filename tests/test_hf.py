@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -186,6 +187,11 @@ def test_untie_head_keeps_config_consistent_and_reloads(tmp_path):
     assert not torch.equal(again.lm_head.weight, again.model.embed_tokens.weight)
 
 
+def _kernel_forward(self, input_ids=None, labels=None, **kwargs):
+    hidden = self.transformer(input_ids).last_hidden_state
+    return torch.nn.functional.cross_entropy(torch.matmul(hidden, self.lm_head.weight.T).flatten(0, 1), labels.flatten())
+
+
 def test_errors_before_any_step(tmp_path):
     from transformers import GPT2Model, GPT2Config
 
@@ -195,8 +201,11 @@ def test_errors_before_any_step(tmp_path):
             args=TrainingArguments(output_dir=str(tmp_path), **QUIET),
             callbacks=[AnisoCallback(AnisoConfig(metrics=(), load_entry_points=False))],
         )
-    with pytest.raises(SetupError, match="use_liger_kernel"):
-        make_trainer(tmp_path, AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
+    with pytest.raises(SetupError, match="'cosreg' acts in the LM head's forward.*silently do nothing"):
+        model = tiny_gpt2()  # a forward patched to hand the head's weight to a kernel (tests/test_head_bypass.py)
+        model.forward = types.MethodType(_kernel_forward, model)
+        Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), **QUIET),
+                callbacks=[AnisoCallback(AnisoConfig(method="cosreg", metrics=(), load_entry_points=False))])
 
     class NoLabels(TokenDataset):
         def __getitem__(self, i):

@@ -143,10 +143,11 @@ def test_each_session_holds_its_own_world_on_two_ranks():
     assert results[0]["own"] != pytest.approx(results[1]["own"], abs=1e-6)
 
 
-def test_the_hf_trainer_s_layout_refuses_head_surgery_after_its_optimizer_and_methods_under_liger(tmp_path):
+def test_the_hf_trainer_s_layout_refuses_head_surgery_after_its_optimizer_and_serves_liger(tmp_path):
     """Through a real ``transformers.Trainer``: an optimizer given to it fixes the parameters (the
-    head plugin refuses ``head='untie'``, the model stays tied); Liger's kernel bypasses the head
-    (AGG refuses); metrics alone are served under both."""
+    head plugin refuses ``head='untie'``, the model stays tied); under Liger's kernel AGG is served
+    with Liger's fused cross-entropy set aside for the fused loss (tests/test_liger.py); metrics
+    alone are served under both."""
     pytest.importorskip("transformers")
     from hf_utils import TokenDataset, tiny_gpt2
     from transformers import Trainer, TrainingArguments
@@ -167,5 +168,5 @@ def test_the_hf_trainer_s_layout_refuses_head_surgery_after_its_optimizer_and_me
         trainer(AnisoConfig(head="untie", metrics=(), load_entry_points=False), model, optimizer)
     assert model.lm_head.weight is model.transformer.wte.weight
     trainer(AnisoConfig(metrics=("geometry",), load_entry_points=False), model, optimizer)
-    with pytest.raises(SetupError, match="^'agg' acts in the LM head's forward, which TrainingArguments\\(use_liger_kernel"):
-        trainer(AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
+    served = trainer(AnisoConfig(method="agg", window=2, metrics=(), load_entry_points=False), use_liger_kernel=True)
+    assert served.args.liger_kernel_config == {"fused_linear_cross_entropy": False}

@@ -49,11 +49,11 @@ BUILDS = {"falcon_h1": falcon_h1, "gemma2": gemma2, "gemma3": gemma3, "gemma3_un
 EXPECTED = {"falcon_h1": (0.5, None), "gemma2": (1.0, 2.0), "gemma3": (1.0, 2.0), "gemma3_uncapped": None, "cohere": (0.5, None), "granite": (0.25, None)}
 
 
-def _run(tmp_path, build, fused: bool):
+def _run(tmp_path, build, fused: bool, method: str | tuple[str, ...] = "agg"):
     torch.manual_seed(0)
     model = build()
     capture = GradCapture()
-    callback = AnisoCallback(AnisoConfig(method="agg", alpha=2.0, window=2, metrics=(), fused_loss=fused,
+    callback = AnisoCallback(AnisoConfig(method=method, alpha=2.0, window=2, metrics=(), fused_loss=fused,
                                          load_entry_points=False))  # fmt: skip
     args = TrainingArguments(output_dir=str(tmp_path / str(fused)), max_steps=1, per_device_train_batch_size=4,
                              learning_rate=1e-2, report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no",
@@ -74,6 +74,18 @@ def test_a_transformed_head_trains_agg_on_the_fused_loss_as_on_the_gated_head(tm
     assert (transform is None) if expected is None else ((transform.scale, transform.softcap) == pytest.approx(expected))
     assert loss == pytest.approx(gated_loss, rel=1e-5)
     assert grads.keys() == gated_grads.keys()
+    for key, grad in gated_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "cohere"])
+def test_a_loss_term_on_a_transformed_head_keeps_the_fused_sum_passing_through(tmp_path, name):
+    """AGG with CosReg on a soft-capped or scaled head: the regularizer's term is attached to the
+    head's fused sum, which must stay the `FusedLossSum` the forward's transform passes through
+    (before, the attached tensor lost the wrapper and the loss function raised at step 1)."""
+    loss, grads, fused, _ = _run(tmp_path, BUILDS[name], True, ("agg", "cosreg"))
+    gated_loss, gated_grads, _, _ = _run(tmp_path, BUILDS[name], False, ("agg", "cosreg"))
+    assert fused and loss == pytest.approx(gated_loss, rel=1e-5)
     for key, grad in gated_grads.items():
         torch.testing.assert_close(grads[key], grad, rtol=1e-4, atol=1e-6, msg=key)
 

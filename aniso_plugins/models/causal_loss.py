@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from aniso_plugins.methods.fused_loss.head import TrainingHead
 from aniso_plugins.methods.fused_loss.logit_transform import LogitTransform
 from aniso_plugins.methods.fused_loss.loss_sum import IDENTITY, fused_sum, transform_of
 
@@ -365,13 +366,14 @@ class FusedLabelSmoother:
         return _divided_by_denominator(fused_sum(logits, self.transform), labels, num_items_in_batch, self.ignore_index)
 
 
-def fused_token_outputs(logits: torch.Tensor, transform: LogitTransform = IDENTITY) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(each position's log-probability, the token outputs by name) from what a model's forward
-    passed where its logits would be while the head answered a chunked per-token call (TRL's fused
-    LM head: `aniso_plugins.methods.fused_loss.head.TrainingHead.fuse` with ``token_outputs``),
-    checked against the `transform` fused."""
-    fields = dict(getattr(logits, "fields", {}))
-    return fused_sum(logits, transform), fields
+def fused_token_outputs(logits: torch.Tensor, head: nn.Module,
+                        transform: LogitTransform = IDENTITY) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(each position's log-probability, the token outputs by name) of a per-token call the LM
+    `head` answered (TRL's fused LM head: `aniso_plugins.methods.fused_loss.head.TrainingHead.fuse`
+    with ``token_outputs``): the first from what the model's forward passed where its logits would
+    be, checked against the `transform` fused; the others from the head."""
+    installed = TrainingHead.installed_on(head)
+    return fused_sum(logits, transform), installed.take_token_outputs() if installed is not None else {}
 
 
 def install_fused_causal_loss(model: nn.Module, ignore_index: int, transform: LogitTransform = IDENTITY) -> Callable[[], None]:

@@ -79,7 +79,22 @@ def _bound_names(tree: ast.AST, attribute: str) -> tuple[set[str], set[str]]:
     return heads, weights
 
 
+_SAME_VALUES = frozenset({"T", "mT", "data"})
+"""Attributes of a tensor that are its values (transposed): the weight handed on all the same."""
+_SAME_VALUE_CALLS = frozenset({"t", "to", "float", "half", "bfloat16", "contiguous", "type"})
+
+
 def _is_weight(node: ast.AST, attribute: str, heads: set[str], weights: set[str]) -> bool:
+    """Whether `node` is the head's weight, also transposed or cast (``lm_head.weight.T``,
+    ``.to(dtype)``); not one of its attributes (``lm_head.weight.dtype``)."""
+    while True:
+        if isinstance(node, ast.Attribute) and node.attr in _SAME_VALUES:
+            node = node.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in _SAME_VALUE_CALLS):
+            node = node.func.value
+        else:
+            break
     if isinstance(node, ast.Name):
         return node.id in weights
     return isinstance(node, ast.Attribute) and node.attr == "weight" and _head_expression(node.value, attribute, heads)

@@ -155,7 +155,8 @@ class AnisoCallback(TrainerCallback):
         if self._labels_at_fused_call:  # TRL's DPO, GRPO, ...: each micro-batch announced at the policy's fused call
             self._trl_unroute = trl.announce_fused_calls(model, self._announce)
         elif trl.is_trl_trainer(self.trainer):  # TRL's SFTTrainer: its fused LM head through the model's head
-            self._trl_unroute = trl.route_through_head(model, self.trainer, self.session, layout.head_transform(handle))
+            self._trl_unroute = trl.route_through_head(model, self.trainer, self.session, layout.head_transform(handle),
+                                                       handle.head)
         elif self.session.head_computes_loss:  # the model's loss function and the label smoother take the head's sum
             transform = layout.head_transform(handle)
             handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index, transform))

@@ -83,7 +83,7 @@ def layout_of(trainer: Trainer) -> ParallelLayout:
         parameters_fixed="the Trainer was given an optimizer already; let the Trainer create its optimizer"
         if trainer.optimizer is not None else None,
         head_bypassed=trl.head_bypassed(trainer),
-        chunked_loss="TRL's fused LM head" if tokens is not None else liger.chunked_loss(trainer, peft_base_model(trainer.model)),
+        chunked_loss="TRL's fused LM head" if tokens is not None else liger.chunked_loss(trainer, trainer.model),
         token_outputs=tokens,
     )
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from aniso_plugins.models.handle import peft_base_model
+
 logger = logging.getLogger("aniso_plugins.hf")
 
 _FLCE = "fused_linear_cross_entropy"
@@ -38,14 +40,17 @@ def requested(trainer) -> bool:
     return bool((getattr(trainer.args, "liger_kernel_config", None) or {}).get(_FLCE, True))
 
 
-def patched_instance(model: nn.Module) -> bool:
-    """Whether `model` carries an instance forward of Liger's (``apply_liger_kernel_to_*(model=...)``)."""
-    forward = model.__dict__.get("forward")
+def patched_instance(model: nn.Module | None) -> bool:
+    """Whether `model` (a PEFT model: its base model; None before ``model_init``) carries an
+    instance forward of Liger's (``apply_liger_kernel_to_*(model=...)``)."""
+    if model is None:
+        return False
+    forward = peft_base_model(model).__dict__.get("forward")
     function = getattr(forward, "__func__", forward)
     return function is not None and getattr(function, "__module__", "").startswith("liger_kernel")
 
 
-def chunked_loss(trainer, model: nn.Module) -> str | None:
+def chunked_loss(trainer, model: nn.Module | None) -> str | None:
     """`ParallelLayout.chunked_loss` where Liger's fused linear cross-entropy trains `model`, else None."""
     if requested(trainer):
         return "Liger-Kernel's fused linear cross-entropy (TrainingArguments(use_liger_kernel=True))"

@@ -105,7 +105,8 @@ def token_outputs(trainer) -> tuple[str, ...] | None:
     return SFT_TOKEN_OUTPUTS if isinstance(trainer, SFTTrainer) and _routes_its_loss(trainer) else None
 
 
-def route_through_head(model: nn.Module, trainer, session, transform: LogitTransform) -> Callable[[], None]:
+def route_through_head(model: nn.Module, trainer, session, transform: LogitTransform,
+                       head: Callable[[], nn.Module]) -> Callable[[], None]:
     """Make SFTTrainer's fused calls of `model` (the model the Trainer holds: a PEFT model or the
     transformers model) run through its LM head where the session acts there (module docstring).
     Two hooks on `model`, whichever forward TRL and accelerate install under them: before a fused
@@ -116,8 +117,8 @@ def route_through_head(model: nn.Module, trainer, session, transform: LogitTrans
     (``session.head_computes_loss``), else from its logits. A training call without gradients
     (TRL's metrics beside a loss computed from the logits) stays TRL's, and so does every training
     call where no plugin acts in the head (TRL's own chunked head). `transform`: the logit
-    transform the fused head applied (checked against the forward's). Returns the function that
-    removes both hooks."""
+    transform the fused head applied (checked against the forward's); `head`: the LM head module
+    (it keeps the token outputs of the call). Returns the function that removes both hooks."""
     config = getattr(model, "config", None)
     coefficient = getattr(config.get_text_config(), "router_aux_loss_coef", 0.0) if config is not None else 0.0
     answered, in_head = session.head_computes_loss, session.uses_head_forward
@@ -137,7 +138,7 @@ def route_through_head(model: nn.Module, trainer, session, transform: LogitTrans
     def after(module, args, kwargs, outputs):
         if not calls or "fused_lm_head" in kwargs:
             return None
-        return _fused_output(outputs, *calls.pop(), transform, coefficient)
+        return _fused_output(outputs, *calls.pop(), transform, head(), coefficient)
 
     handles = [
         model.register_forward_pre_hook(before, with_kwargs=True),
@@ -161,14 +162,14 @@ def route_through_head(model: nn.Module, trainer, session, transform: LogitTrans
 
 def _fused_output(outputs, labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
                   num_items_in_batch: torch.Tensor | int | None, chunked: bool, transform: LogitTransform,
-                  coefficient: float):
+                  head: nn.Module, coefficient: float):
     """TRL's ``FusedCausalLMOutput`` of a fused call the model's own forward ran: from the head's
     log-probabilities and token outputs (`chunked`: the head answered TRL's call, never the
     logits) or from its logits; plus the MoE aux term as TRL adds it."""
     from trl.trainer.utils import FusedCausalLMOutput
 
     if chunked:
-        log_probs, extra = fused_token_outputs(outputs.logits, transform)
+        log_probs, extra = fused_token_outputs(outputs.logits, head, transform)
         fields = _fields(log_probs, extra, _targets(labels, shift_labels), shift_labels is None, num_items_in_batch)
     else:
         fields = fused_outputs_from_logits(outputs.logits, labels, shift_labels, num_items_in_batch)

@@ -46,7 +46,7 @@ class TrainingHead:
       smoothed with ``label_smoothing``), a 0-dim tensor: never the full logits; or, fused with
       ``token_outputs`` (TRL's fused LM head, `ParallelLayout.token_outputs`), each position's
       log-probability log p_i(y_i) = −CE_i (0 where ignored; its gradient AGG-gated likewise) in
-      the targets' shape, a `FusedLossSum` whose ``fields`` hold the token outputs asked for.
+      the targets' shape, and the token outputs asked for kept for `take_token_outputs`.
 
     Any other call runs the module's original forward. `remove` restores it.
 
@@ -79,6 +79,7 @@ class TrainingHead:
         self._gates: RowGates | None = None
         self._fused: tuple[torch.Tensor | None, float, tuple[str, ...] | None] | None = None  # fuse's arguments
         self._warned = False
+        self._token_outputs: dict[str, torch.Tensor] = {}
         module.forward = self.forward
 
     @classmethod
@@ -110,6 +111,13 @@ class TrainingHead:
     def disarm(self) -> None:
         """Drop targets that no forward consumed."""
         self._targets = self._whole = self._gates = self._fused = None
+
+    def take_token_outputs(self) -> dict[str, torch.Tensor]:
+        """The token outputs (name -> tensor in the targets' shape, detached) of the last per-token
+        call (`fuse` with ``token_outputs``), handed over once: the trainer's loss reads them
+        beside the log-probabilities, whatever an engine's hooks did to the head's output."""
+        taken, self._token_outputs = self._token_outputs, {}
+        return taken
 
     @property
     def armed(self) -> bool:
@@ -167,16 +175,17 @@ class TrainingHead:
 
 
     def _token_log_probs(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         targets: torch.Tensor, gates: RowGates | None, tokens: tuple[str, ...]) -> FusedLossSum:
-        """log p_i(y_i) of every position (−CE_i, 0 where ignored) with `tokens` in ``fields``."""
+                         targets: torch.Tensor, gates: RowGates | None, tokens: tuple[str, ...]) -> torch.Tensor:
+        """log p_i(y_i) of every position (−CE_i, 0 where ignored; a `FusedLossSum` through a logit
+        transform); the outputs `tokens` kept for `take_token_outputs`."""
         rows = self.chunk_size or token_tile_rows(targets.numel(), weight.shape[0] if self.shard is None else self.shard.total)
         out = fused_linear_cross_entropy(
             hidden, weight, targets, gates, bias=bias, ignore_index=self.ignore_index, reduction="none",
             chunk_size=rows, shard=self.shard, logit_transform=self.logit_transform,
             token_outputs=tokens, return_lse=not tokens,
         )
-        fields = {name: getattr(out, name) for name in tokens}
-        return FusedLossSum.wrap(-out.loss, fields)
+        self._token_outputs = {name: getattr(out, name) for name in tokens}
+        return -out.loss if self.logit_transform is None else FusedLossSum.wrap(-out.loss)
 
 
 TOKEN_TILE_LOGITS = 4096 * 32768

@@ -55,22 +55,19 @@ _PASSED_THROUGH = {
 
 
 class FusedLossSum(torch.Tensor):
-    """The head's fused loss sum (0-dim), or TRL's per-token log-probabilities with their token
-    outputs (`fields`), handed back where the logits would be, for a model whose
+    """The head's fused loss sum (0-dim), or TRL's per-token log-probabilities, handed back where
+    the logits would be, for a model whose
     forward goes on to transform them elementwise (a soft-cap, a scale): the fused loss applied
     that transform to every logit already, so the forward's ``/ x``, ``* x`` and ``tanh`` return
     this value unchanged and are recorded (`ops`), and the loss function checks them against the
     transform fused (`checked`). Any other operation gives a plain tensor."""
 
     ops: list[tuple]
-    fields: dict[str, torch.Tensor]
 
     @classmethod
-    def wrap(cls, loss: torch.Tensor, fields: dict[str, torch.Tensor] | None = None) -> FusedLossSum:
-        """`loss` (a sum, or TRL's per-token log-probabilities) with the token outputs `fields`."""
+    def wrap(cls, loss: torch.Tensor) -> FusedLossSum:
         out = loss.as_subclass(cls)  # the same value and autograd graph
         out.ops = []
-        out.fields = dict(fields or {})
         return out
 
     @classmethod

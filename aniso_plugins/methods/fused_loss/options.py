@@ -17,9 +17,11 @@ class FusedLossOptions(Options):
     """Compute the training loss in the LM head, chunk by chunk (no (N, V) logits; AGG-gated
     when AGG is on). None (default): when AGG is on and the adapter reproduces the model's own
     loss exactly (torchtitan's cross-entropy; in HF and Lightning, causal LMs that compute their
-    loss from the head's logits with transformers' loss function), else the model's own loss,
-    with an info line saying why. True: also without AGG; an error where it cannot be exact.
-    False: never (AGG then runs as the gated head)."""
+    loss from the head's logits with transformers' loss function), and, with any method acting
+    in the head, where the trainer's own loss is chunked (TRL's SFTTrainer, Liger-Kernel's fused
+    linear cross-entropy: answered by the head, chunk by chunk); else the model's own loss, with
+    an info line saying why. True: also without AGG; an error where it cannot be exact. False:
+    never (AGG then runs as the gated head; a chunked trainer loss takes the head's logits)."""
     fused_chunk_size: int | None = None
     """Token rows per tile of the fused loss (each tile holds the whole vocabulary of its rows);
     None: tiles of the bytes of PyTorch's ``F.linear_cross_entropy`` chunk, its memory floor

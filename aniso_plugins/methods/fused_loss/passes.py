@@ -37,7 +37,9 @@ vocabulary blocks (docs/performance.md §11.4)."""
 TRANSPOSED_ROWS = 128
 """On the CPU, a float32 tile of whole rows of at most this many rows is held ids-major
 (ids × rows, `Tile`): the logits GEMM of a few rows runs 1.2-1.5× faster as W Xᵀ than as X Wᵀ there,
-and the softmax is then a reduction over the contiguous dimension's rows (docs/performance.md §11.4)."""
+and the softmax is then a reduction over the contiguous dimension's rows (docs/performance.md §11.4).
+Only where the tile's one-pass softmax and gradient follow: the statistics of a pass without a
+gradient (``reduction="none"``'s forward, token outputs) run over row blocks, 3× slower ids-major."""
 MIN_TILE_BYTES = 2**20
 """A tile of at least this many bytes (small problems are not cut in tiny tiles)."""
 ROW_BYTES = 64
@@ -151,7 +153,7 @@ def fused_pass(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                      torch.zeros(n, dtype=acc, device=X.device) if terms.smoothing else None,
                      _empty_tokens(n, acc, X.device) if o.tokens else None)
         transposed = (X.device.type == "cpu" and o.plan.cols >= v and o.plan.rows <= TRANSPOSED_ROWS
-                      and o.compute == acc and o.transform is None)
+                      and o.compute == acc and o.transform is None and any(o.wants) and not o.tokens)  # the one-pass softmax
         tile = Tile(min(o.plan.rows, n), min(o.plan.cols, v), o.compute, acc, X.device, o.plan.block, transposed)
         for r0 in range(0, n, o.plan.rows):
             r1 = min(r0 + o.plan.rows, n)
