@@ -114,3 +114,19 @@ def test_no_architecture_of_the_zoo_is_taken_for_a_bypass(arch):
     head = model.get_output_embeddings()
     attribute = next((key for key, module in model._modules.items() if module is head), "")
     assert head_bypass_in_forward(model, attribute) is None
+
+
+def test_a_bypass_the_code_does_not_show_raises_at_the_first_step(tmp_path):
+    """A forward whose bypass the static reading cannot see (a closure over the model, not
+    ``self``): the regularizer's term was due in the head's forward, which never ran in training,
+    so the first step raises instead of training on without it."""
+    model = tiny_llama(vocab=64, tied=False)
+
+    def forward(input_ids=None, labels=None, **kwargs):
+        hidden = model.model(input_ids=input_ids).last_hidden_state
+        return CausalLMOutputWithPast(loss=fused_kernel(hidden, model.lm_head.weight, labels), logits=None)
+
+    model.forward = forward
+    trainer = _trainer(tmp_path, model, AnisoConfig(method="cosreg", metrics=(), load_entry_points=False))
+    with pytest.raises(SetupError, match="step 1: 'cosreg' add loss terms in the LM head's training forward, which did not run"):
+        trainer.train()

@@ -110,7 +110,18 @@ class AnisoPlugins:
             return False, "; ".join(readers)
         if owns_loss and handle.layout.chunked_loss is not None and not self.in_head_forward():
             return False, "no method acts in the LM head: the trainer's own chunked head runs"
-        return owns_loss, why_not
+        return owns_loss, why_not or "the adapter cannot"
+
+    def unconsumed_terms(self, step: int) -> str:
+        """The error of a step whose loss terms were due in the LM head's training forward, which
+        did not run: nothing of the plugins' that act there reached the gradients."""
+        return (
+            f"step {step}: {', '.join(map(repr, self.in_head_forward()))} add loss terms in the LM head's training "
+            "forward, which did not run on the step's last micro-batch (the head ran in eval mode, without gradients, "
+            "or the model's training forward computed its loss from the head's weight without calling the head), so "
+            "the terms did nothing. Train with a forward that calls the LM head (AnisoConfig(fused_loss=True) keeps "
+            "the logits out of memory)"
+        )
 
     def bypass_refusal(self, handle: ModelHandle) -> str | None:
         """Why the plugins that act in the LM head's forward cannot run on `handle`'s model, whose

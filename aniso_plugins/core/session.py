@@ -167,8 +167,7 @@ class TrainingSession:
         try:
             with in_world(layout.world), handle.full_weights():  # a model an engine built partitioned (ZeRO-3's zero.Init)
                 self.plugins.setup(handle)
-            owns_loss, why_not = self.plugins.loss_ownership(handle, owns_loss, why_not)
-            self._head_computes_loss = self.plugins.head_computes_loss(owns_loss, why_not or "the adapter cannot")
+            self._head_computes_loss = self.plugins.head_computes_loss(*self.plugins.loss_ownership(handle, owns_loss, why_not))
             head = handle.head()
             # prepended: the activation terms see the head's input before any probe replaces it
             pre = head.register_forward_pre_hook(self._on_head_input, prepend=True)
@@ -364,10 +363,12 @@ class TrainingSession:
 
     @_in_world
     def end_step(self, step: int) -> None:
-        """The optimizer step `step` was applied."""
+        """The optimizer step `step` was applied (`SetupError` where due loss terms never ran)."""
         info = self._current
         if info is None or info.step != step:
             info = StepInfo(step=step, batch_group=self._batch_group)
+        if self._loss_due and self.plugins.implements("aniso_loss_terms"):
+            raise SetupError(self.plugins.unconsumed_terms(step))
         self.plugins.step_end(info)
         self._micro_batch = 0
         self._loss_due = False
