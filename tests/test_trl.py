@@ -151,9 +151,12 @@ def test_head_methods_keep_sft_trainers_chunked_path_and_its_logged_values(tmp_p
         assert trainer.state.log_history[0][key] == pytest.approx(own.state.log_history[0][key], rel=1e-5), key
 
 
-def test_cosreg_on_sft_trainer_adds_the_regularizer_gradient(tmp_path):
-    _, fed, weight = sft(tmp_path / "a", "plain", cfg(method="cosreg", reg_weight=0.7))
-    _, fed_plain, _ = sft(tmp_path / "b", "plain", None)
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_cosreg_on_sft_trainer_adds_the_regularizer_gradient(tmp_path, loss_type):
+    """On TRL's chunked path, whatever per-token weights TRL's loss puts on the log-probabilities
+    (DFT: p(y) of each token, detached), the head gradient is TRL's plus exactly CosReg's."""
+    _, fed, weight = sft(tmp_path / "a", "plain", cfg(method="cosreg", reg_weight=0.7), loss_type=loss_type)
+    _, fed_plain, _ = sft(tmp_path / "b", "plain", None, loss_type=loss_type)
     expected = fed_plain.grads[0].double() + 0.7 * regularizer_grad("cosreg", weight)
     torch.testing.assert_close(fed.grads[0].double(), expected, rtol=1e-4, atol=1e-6)
 
