@@ -10,7 +10,7 @@ in vocabulary tiles of 32768 ids, never the logits; AdamW, no clipping) on the s
 and Zipf(1.2) token ids: ``plain`` (no callback), ``agg`` (``method="agg"``: the head answers
 TRL's fused call chunk by chunk, AGG-gated), ``cosreg`` (``method="cosreg"``: the same chunked
 call, plus the regularizer), ``agg_logits`` (``method="agg", fused_loss=False``: TRL's call
-computed from the head's full logits, the 0.2 behaviour).
+computed from the head's full logits, the route before issue 50).
 
 - time: one process; ``--rounds`` rounds each train every variant for ``--steps`` optimizer steps
   after one warm-up step in the same trainer; the table gives each variant's median step time and

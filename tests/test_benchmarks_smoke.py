@@ -135,24 +135,17 @@ def test_gpu_script_smoke_mode_prints_every_table(tmp_path):
     assert out.count("| agg | 2 | ok |") == 2 and "0 of 3 methods read a value back" in out  # strict_step.py, fp32 and bf16
 
 
-def test_hf_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
-    """benchmarks/hf_step.py --smoke: four real-Trainer variants, a table and the JSON of its numbers."""
-    cmd = [sys.executable, os.path.join(BENCH, "hf_step.py"), "--smoke", "--out", str(tmp_path)]
+@pytest.mark.parametrize("script, variants", [
+    ("hf_step.py", ["plain", "mle_fused", "agg_fused", "agg_gated"]),  # real transformers.Trainer runs
+    ("trl_step.py", ["plain", "agg", "cosreg", "agg_logits"]),  # real trl.SFTTrainer runs
+])
+def test_trainer_step_benchmarks_run_every_variant_in_smoke_mode(tmp_path, script, variants):
+    """benchmarks/hf_step.py and trl_step.py --smoke: four trainer variants, a table and the JSON of its numbers."""
+    cmd = [sys.executable, os.path.join(BENCH, script), "--smoke", "--out", str(tmp_path)]
     done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert rows == ["plain", "mle_fused", "agg_fused", "agg_gated"]
-    (result,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
-    assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
-
-
-def test_trl_step_benchmark_runs_every_variant_in_smoke_mode(tmp_path):
-    """benchmarks/trl_step.py --smoke: four real-SFTTrainer variants, a table and the JSON of its numbers."""
-    cmd = [sys.executable, os.path.join(BENCH, "trl_step.py"), "--smoke", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, check=False, capture_output=True, text=True, env=ENV, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines() if line.startswith("| ") and "variant" not in line]
-    assert rows == ["plain", "agg", "cosreg", "agg_logits"]
+    assert rows == variants
     (result,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"seconds"')]
     assert result["ratios"]["plain"] == 1.0 and all(b > 0 for b in result["peak_bytes"].values())
 
