@@ -15,6 +15,9 @@ METHODS: dict[str, dict] = {
     "simctg": dict(method="simctg", simctg_weight=1.0, simctg_margin=0.5),
     "uniformity": dict(method="uniformity", uniformity_weight=0.1, uniformity_sample=1024),
     "agg+simctg": dict(method=("agg", "simctg"), alpha=0.03, simctg_weight=1.0),
+    "coupled_adam": dict(method="coupled_adam"),
+    "mu_centering": dict(method="mu_centering"),
+    "mu_loss": dict(method="mu_loss", mu_loss_weight=1e-4),
 }
 
 def add_run_arguments(parser) -> None:

@@ -30,6 +30,7 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
 from comparison import add_run_arguments, summary_table
 from hf_train import train
 
@@ -51,7 +52,15 @@ STUDY: dict[str, dict] = {
     "untied head": dict(head="untie"),
     # r < d = 64: a rank-64 factor of a width-64 model is no bottleneck (the library refuses it)
     **{f"low-rank r={r}": dict(head="lowrank", lowrank_rank=r) for r in (8, 16, 32)},
+    "coupled adam": dict(method="coupled_adam"),  # the paper's defaults: s = 1, the embedding not decayed
+    "mu-centering": dict(method="mu_centering"),
+    "mu-loss": dict(method="mu_loss", mu_loss_weight=1e-4),  # the paper's λ
 }
+# the ranking of docs/results.md §9: every training remedy, each at its paper's (or the recipe's) setting
+REMEDIES = (
+    "mle", "agg", "agg, alpha per 32768 tokens", "cosreg", "hinge", "spectrum", "untied head", "low-rank r=16",
+    "coupled adam", "mu-centering", "mu-loss",
+)
 QUICK = ("mle", "agg", "simctg")
 REPORTED = ("mle", "agg")  # seed 0 of these is saved and compared through the report module
 
@@ -68,6 +77,7 @@ COLUMNS = [
     ("mean cosine", "aniso/geometry/head/mean_cosine"),
     ("rare-frequent cosine", "aniso/frequency/rare_frequent_cosine"),
     ("effective rank", "aniso/geometry/head/effective_rank"),
+    ("‖μ‖ ratio", "aniso/geometry/head/mean_norm_ratio"),
     ("lost fraction", "aniso/bottleneck/lost_fraction"),
     ("wall (s)", "wall_s"),
 ]
@@ -157,6 +167,44 @@ def _save(fig, plt, path: Path) -> str:
     return str(path)
 
 
+def save_projection(model, path: Path) -> None:
+    """The head rows on their top two right singular vectors (raw W, so the common direction shows)."""
+    import numpy as np
+
+    w = model.get_output_embeddings().weight.detach().double()
+    _, _, vt = torch.linalg.svd(w, full_matrices=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, (w @ vt[:2].T).numpy())
+
+
+def projection_grid(methods: list[str], directory: Path) -> list[str]:
+    """projections.png: one panel per method (seed 0), the head rows on their top two singular
+    directions, coloured by frequency rank (ids are ranks: id 1 the most frequent word)."""
+    if not methods:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    cols = min(4, len(methods))
+    rows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    for ax, m in zip(axes.flat, methods):
+        xy = np.load(directory / "projections" / f"{m}.npy")
+        points = ax.scatter(xy[:, 0], xy[:, 1], c=np.log10(np.arange(1, len(xy) + 1)), s=2, cmap="viridis")
+        ax.axhline(0, color="0.8", lw=0.5)
+        ax.axvline(0, color="0.8", lw=0.5)
+        ax.set_title(m, fontsize=9)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(methods):]:
+        ax.axis("off")
+    fig.colorbar(points, ax=axes, shrink=0.6, label="log10 frequency rank")
+    fig.suptitle("head rows on their top two singular directions (seed 0)", fontsize=10)
+    return [_save(fig, plt, directory / "projections.png")]
+
+
 def settings_of(a: argparse.Namespace) -> dict:
     """What makes two runs of one method and seed the same run (for resuming)."""
     keys = ("steps", "vocab_size", "block", "batch_size", "d_model", "layers", "text_file")
@@ -184,6 +232,7 @@ def save_runs(path: Path, runs: list[dict], done: dict[tuple[str, int], dict]) -
 def main(argv: list[str] | None = None) -> list[str]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", nargs="+", choices=sorted(STUDY), default=None, help="default: all")
+    p.add_argument("--remedies", action="store_true", help="the methods of the remedies ranking (docs/results.md §9)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--text-file", default=None, help="train on this UTF-8 text instead of Python's help topics")
     p.add_argument("--output-dir", default="study_out")
@@ -191,7 +240,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--fresh", action="store_true", help="ignore the runs already in --output-dir/runs.json")
     add_run_arguments(p)
     a = p.parse_args(argv)
-    methods = a.methods or list(STUDY)
+    methods = a.methods or (list(REMEDIES) if a.remedies else list(STUDY))
     if a.quick:
         methods, a.seeds = a.methods or list(QUICK), [0]
         a.steps, a.vocab_size, a.batch_size, a.block = 16, 512, 8, 32
@@ -213,6 +262,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         runs.append(record)
         if seed == a.seeds[0] and m in REPORTED:  # kept for the report (not part of the results)
             model.save_pretrained(directory / "models" / m)
+        if seed == a.seeds[0]:
+            save_projection(model, directory / "projections" / f"{m}.npy")
         # written after every run, so an interrupted study loses at most the run in progress
         save_runs(directory / "runs.json", runs, done)
         f = record["final"]
@@ -227,6 +278,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s of training"
     (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs, COLUMNS)}\n")
     written = [str(directory / "runs.json"), str(directory / "study.md"), *plots(runs, directory)]
+    written += projection_grid([m for m in methods if (directory / "projections" / f"{m}.npy").exists()], directory)
     reported = [m for m in REPORTED if m in methods]
     if reported:  # MLE next to AGG through the offline report, rows coloured by the corpus's frequency groups
         written += report_plots([directory / "models" / m for m in reported], reported, a, directory)

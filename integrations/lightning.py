@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from aniso_plugins import (
-    AnisoConfig, DeepSpeedLossScale, ModelHandle, OutputEmbeddingsHandle, SetupError, TargetRule, TrainingSession, alignment_of,
+    AnisoConfig, DeepSpeedLossScale, ModelHandle, OutputEmbeddingsHandle, ParallelLayout, SetupError, TargetRule, TrainingSession, alignment_of,
     find_handle, target_rule,
 )
 from aniso_plugins.models.causal_loss import install_fused_causal_loss, why_loss_is_not_reproduced
@@ -74,12 +74,23 @@ from aniso_plugins.models.causal_loss import install_fused_causal_loss, why_loss
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
-    from lightning.pytorch.strategies import DeepSpeedStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
     from lightning.pytorch.utilities.model_helpers import is_overridden
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError('aniso_plugins.integrations.lightning needs lightning: pip install "aniso-plugins[lightning]"') from e
 
 _VAL_PREFIX = "val_"
+
+
+def _optimizer_flat(strategy: object) -> str | None:
+    """Why `strategy`'s optimizer steps flat buffers, not the model's parameters (`ParallelLayout.optimizer_flat`)."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        return ("DeepSpeedStrategy's ZeRO optimizer steps fp32 master copies in flat partitions of the parameters, not "
+                "the model's rows: use DDPStrategy or ModelParallelStrategy (FSDP2)")
+    if isinstance(strategy, FSDPStrategy):
+        return ("FSDPStrategy (FSDP1) flattens the parameters into buffers sharded by elements, not rows: use "
+                "ModelParallelStrategy (FSDP2)")
+    return None
 
 
 class AnisoCallback(pl.Callback):
@@ -146,7 +157,8 @@ class AnisoCallback(pl.Callback):
         rule = target_rule(self._targets, (lambda: alignment_of(handle.model)) if isinstance(handle, OutputEmbeddingsHandle) else None)
         self._module_loss = hasattr(type(pl_module), "aniso_loss_fn")
         why_not = None if self._module_loss else self._why_model_loss_is_not_owned(handle)
-        self.session.setup(handle, owns_loss=why_not is None, why_not=why_not or "")
+        layout = ParallelLayout(optimizer_flat=_optimizer_flat(trainer.strategy))
+        self.session.setup(handle, layout, owns_loss=why_not is None, why_not=why_not or "")
         if self.session.head_computes_loss and not self._module_loss:
             handle.on_restore(install_fused_causal_loss(handle.model, self.config.ignore_index))
         if self._module_loss:
@@ -226,6 +238,7 @@ class AnisoCallback(pl.Callback):
             loss_scale=loss_scale,
             grad_scaler=grad_scaler,
             engine_root=trainer.model,  # FSDPStrategy's root FullyShardedDataParallel (FSDP1), DeepSpeed's engine, ...
+            optimizers=tuple(trainer.optimizers),
         )
 
     def _refuse_tensor_parallel_head(self) -> None:

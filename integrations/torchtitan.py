@@ -345,7 +345,8 @@ class AnisoRuntime:
         why_not = "" if plain else f"the inner loss is {type(loss.loss_fn).__name__}, not torchtitan's cross-entropy"
         session.setup(TitanModelHandle(model), layout, owns_loss=plain, why_not=why_not)
         try:
-            session.begin_training(start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps)
+            session.begin_training(start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps,
+                                   optimizers=tuple(trainer.optimizers))
         except BaseException:
             session.detach()  # a run that cannot begin leaves the model as it was
             raise

@@ -51,6 +51,10 @@ class ParallelLayout:
         head, Liger-Kernel's fused linear cross-entropy), which the adapter lets the head answer,
         chunk by chunk, where a plugin acts in the head's forward: the fused loss is then on by
         default (``fused_loss=None``). None: the trainer's loss reads the logits.
+    optimizer_flat: why the trainer's optimizer steps flat buffers rather than the model's
+        parameters (FSDP1's flat parameters, DeepSpeed's partitions and fp32 master copies), with
+        the way out; None: it steps the parameters themselves (one process, DDP, FSDP2's
+        DTensors, torchtitan's layouts), whose rows a plugin may change between steps.
     token_outputs: the trainer's chunked loss takes each token's log-probability and these token
         outputs beside it (TRL's ``FusedCausalLMOutput`` fields,
         `aniso_plugins.methods.fused_loss.token_outputs.TOKEN_OUTPUTS`), not a sum."""
@@ -67,6 +71,7 @@ class ParallelLayout:
     parameters_fixed: str | None = None
     head_bypassed: str | None = None
     chunked_loss: str | None = None
+    optimizer_flat: str | None = None
     token_outputs: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ import torch
 from aniso_plugins.core.config import AnisoConfig
 from aniso_plugins.core.hookspecs import hookimpl
 from aniso_plugins.core.layout import ParallelLayout
-from aniso_plugins.core.model import ModelHandle
+from aniso_plugins.core.model import ModelHandle, SetupError
 from aniso_plugins.core.steps import StepInfo
 from aniso_plugins.numerics.reduce import Stat
 
@@ -36,6 +36,11 @@ class Plugin:
     reads_every_block: ClassVar[bool] = False
     """Whether the plugin reads every block's outputs (`ModelHandle.hook_blocks`): a layout whose
     pipeline stages split the blocks (`ParallelLayout.pipeline_stages`) is then refused."""
+    updates_head_rows: ClassVar[bool] = False
+    """Whether the plugin changes the head weight's rows between steps itself (Coupled Adam's
+    update, μ-centering): a layout whose optimizer steps flat buffers
+    (`ParallelLayout.optimizer_flat`) or whose pipeline stages split the model is then refused,
+    and so is a head without a (V, d) parameter of its own (`require_head_parameter`)."""
     summary: ClassVar[dict[str, str]] = {}
     """`aniso_summary_metrics`: short label -> metric name, the values shown in the one-line log."""
 
@@ -57,7 +62,20 @@ class Plugin:
                 f"{who} reads every block's outputs, which pipeline parallelism ({layout.pipeline_stages} stages) splits "
                 "over the pipeline stages, each seeing only its own; measure it in a run without pipeline parallelism"
             )
+        if self.updates_head_rows and layout.optimizer_flat is not None:
+            return f"{who} changes the output embedding's rows between steps, but {layout.optimizer_flat}"
+        if self.updates_head_rows and layout.pipeline_stages > 1:
+            return (f"{who} under pipeline parallelism ({layout.pipeline_stages} stages) is not supported: train it "
+                    "without pipeline parallelism (FSDP2, HSDP and tensor parallelism are exact)")
         return self.refuse_layout(layout)
+
+    def require_head_parameter(self, model: ModelHandle) -> None:
+        """Raise `SetupError` unless the head's weight is a trained (V, d) parameter of its own:
+        a low-rank head's A·B is a product, which no optimizer updates row by row."""
+        if self.config.head == "lowrank":
+            raise SetupError(f"{self.name!r} with head='lowrank': the head's weight A·B is no parameter the optimizer "
+                             "updates row by row; use head='untie' or 'keep'")
+        model.require_trainable_head(repr(self.name))
 
     def refuse_layout(self, layout: ParallelLayout) -> str | None:
         """Why this plugin cannot serve `layout`, with the way out; None if it can."""

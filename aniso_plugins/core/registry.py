@@ -28,6 +28,9 @@ METHODS: Mapping[str, str | None] = {
     "simctg": f"{_PKG}.methods.simctg.plugin:SimCTGPlugin",
     "uniformity": f"{_PKG}.methods.uniformity.plugin:UniformityPlugin",
     "simcse": f"{_PKG}.methods.simcse.plugin:SimCSEPlugin",
+    "coupled_adam": f"{_PKG}.methods.coupled_adam.plugin:CoupledAdamPlugin",
+    "mu_centering": f"{_PKG}.methods.centering.plugin:MuCenteringPlugin",
+    "mu_loss": f"{_PKG}.methods.centering.plugin:MuLossPlugin",
 }
 """``AnisoConfig.method`` entries -> the training-method plugins (one per configured method)."""
 
@@ -72,6 +75,8 @@ OPTIONS: tuple[str, ...] = (
     f"{_PKG}.methods.simctg.options:SimCTGOptions",
     f"{_PKG}.methods.uniformity.options:UniformityOptions",
     f"{_PKG}.methods.simcse.options:SimCSEOptions",
+    f"{_PKG}.methods.coupled_adam.options:CoupledAdamOptions",
+    f"{_PKG}.methods.centering.options:CenteringOptions",
     f"{_PKG}.methods.heads.options:HeadOptions",
     f"{_PKG}.methods.fused_loss.options:FusedLossOptions",
     f"{_PKG}.metrics.frequency.options:FrequencyOptions",

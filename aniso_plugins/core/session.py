@@ -217,6 +217,7 @@ class TrainingSession:
         grad_scaler: GradScaler | None = None,
         label_smoothing: float = 0.0,
         engine_root: nn.Module | None = None,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> RunInfo:
         """Training starts or resumes; the plugins learn what the trainer knows.
 
@@ -232,13 +233,13 @@ class TrainingSession:
             loss, so the loss terms are scaled by its current scale too;
         label_smoothing: the trainer's label smoothing of the token loss (`RunInfo`);
         engine_root: the trainer's outermost wrapper of the model once wrapped, where its engine
-            partitions parameters in units of its own (FSDP1: `ModelHandle.engine_root`).
+            partitions parameters in units of its own (FSDP1: `ModelHandle.engine_root`);
+        optimizers: the trainer's optimizers, built (`RunInfo.optimizers`).
         State loaded before this call is restored right after the plugins' hook."""
         if self.handle is None:
             raise SetupError("TrainingSession.setup(handle) must run before begin_training")
         accumulation_steps *= self.layout.pipeline_micro_batches
-        self.run = RunInfo(epoch_steps=epoch_steps, start_step=start_step, accumulation_steps=accumulation_steps,
-                           label_smoothing=label_smoothing)
+        self.run = RunInfo(epoch_steps, start_step, accumulation_steps, label_smoothing, tuple(optimizers))
         self._loss_scale = loss_scale * self.layout.gradient_weight
         self._grad_scaler = grad_scaler
         self.handle.engine_root = engine_root
@@ -250,8 +251,7 @@ class TrainingSession:
 
     @staticmethod
     def epoch_length(batches: object, accumulation_steps: int) -> int | None:
-        """Optimizer steps per epoch of `batches` micro-batches (a count or a sized loader);
-        None when unknown or infinite."""
+        """Optimizer steps per epoch of `batches` micro-batches (a count or sized loader), or None."""
         return optimizer_steps_per_epoch(batches, accumulation_steps)
 
     # --- training ---------------------------------------------------------------------------

@@ -21,12 +21,15 @@ class RunInfo:
     accumulation_steps: micro-batches per optimizer step (gradient accumulation).
     label_smoothing: the trainer's label smoothing ε of the token loss (the fused loss
         reproduces it; 0 when the trainer has none).
+    optimizers: the trainer's optimizers, once built (Coupled Adam hooks the one holding the
+        head's weight); empty where the adapter has none to give.
     """
 
     epoch_steps: int | None = None
     start_step: int = 0
     accumulation_steps: int = 1
     label_smoothing: float = 0.0
+    optimizers: tuple[torch.optim.Optimizer, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)

@@ -62,6 +62,34 @@ def split_rows(weight: torch.Tensor, what: str) -> Rows:
     return Rows(weight, 0, weight.shape[0], None)
 
 
+def row_mean(weight: torch.Tensor) -> torch.Tensor:
+    """μ = (1/V) Σ_i w_i of the (V, d) `weight` in float64, the same on every rank that holds part
+    of it: a plain tensor (one process, a DDP replica) in full; a DTensor whose placements are
+    row shards or replicas (FSDP2, HSDP, a tensor-parallel vocabulary shard, torchtitan's 2-D
+    layouts) from this rank's partition of its rows (`mesh_rows`) summed over every mesh
+    dimension. Raises for a DTensor sharded along d. The sum over ranks differs from one
+    process's only in float64 rounding order."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return weight.sum(0, dtype=torch.float64) / weight.shape[0]
+    part = mesh_rows(weight)
+    total = part.rows.sum(0, dtype=torch.float64)
+    mesh = weight.device_mesh
+    for dim in range(mesh.ndim):
+        if mesh.size(dim) > 1:
+            dist.all_reduce(total, group=mesh.get_group(dim))
+    return total / part.total
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor (its storage: in-place changes reach the DTensor
+    under ``torch.no_grad``), or `tensor` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32, or the wider `dtype` (float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -218,7 +246,9 @@ __all__ = [
     "mask_diagonal",
     "mask_own",
     "no_autocast",
+    "local_part",
     "own_diagonal",
+    "row_mean",
     "sample_ids",
     "split_rows",
     "unit_rows",

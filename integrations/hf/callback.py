@@ -279,6 +279,7 @@ class AnisoCallback(TrainerCallback):
             label_smoothing=args.label_smoothing_factor if self.trainer.label_smoother is not None else 0.0,
             loss_scale=model_loss_scale(self.trainer, self.session.handle, self.session.supplies_loss),
             engine_root=self.trainer.model_wrapped,
+            optimizers=() if kwargs.get("optimizer") is None else (kwargs["optimizer"],),
         )
         if state.global_step > 0:
             directory = self._resume_dir or os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -85,7 +85,20 @@ def layout_of(trainer: Trainer) -> ParallelLayout:
         head_bypassed=trl.head_bypassed(trainer),
         chunked_loss="TRL's fused LM head" if tokens is not None else liger.chunked_loss(trainer, trainer.model),
         token_outputs=tokens,
+        optimizer_flat=optimizer_flat(trainer),
     )
+
+
+def optimizer_flat(trainer: Trainer) -> str | None:
+    """Why the Trainer's engine steps flat buffers, not the model's parameters (`ParallelLayout.optimizer_flat`)."""
+    if trainer.is_deepspeed_enabled:
+        return ("DeepSpeed's ZeRO optimizer steps fp32 master copies in flat partitions of the parameters, not the "
+                "model's rows: train with DDP or FSDP2 (fsdp_config={'fsdp_version': 2})")
+    plugin = trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None
+    if plugin is not None and int(getattr(plugin, "fsdp_version", 1) or 1) == 1:
+        return ("FSDP1 flattens the parameters into buffers sharded by elements, not rows: use FSDP2 "
+                "(fsdp_config={'fsdp_version': 2})")
+    return None
 
 
 def refusal(trainer: Trainer) -> str | None:
@@ -121,4 +134,4 @@ def refusal(trainer: Trainer) -> str | None:
     return None
 
 
-__all__ = ["fused_loss_refusal", "head_transform", "layout_of", "loss_scaler", "model_loss_scale", "refusal"]
+__all__ = ["fused_loss_refusal", "head_transform", "layout_of", "loss_scaler", "model_loss_scale", "optimizer_flat", "refusal"]

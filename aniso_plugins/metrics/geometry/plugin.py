@@ -110,6 +110,7 @@ class GeometryPlugin(Plugin):
         for key in _RAW_KEYS:
             out[p + key] = raw[key]  # of the raw W
         out[p + "isoscore"] = result["isoscore"]
+        out[p + "mean_norm_ratio"] = result["mean_norm_ratio"]
         return out
 
 

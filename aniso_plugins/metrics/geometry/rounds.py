@@ -31,6 +31,7 @@ from aniso_plugins.metrics.geometry.stats import (
     matrix_rows,
     mean_cosine_stats,
     mean_cosine_value,
+    mean_norm_ratio_value,
     mean_row,
     mean_stats,
     moment_stats,
@@ -128,6 +129,7 @@ class GeometryRounds:
         out: dict[str, Any] = {
             "nonfinite": reduced[p + "nonfinite"],
             "isoscore": isoscore_value(self.spectra["centered"].eigenvalues),
+            "mean_norm_ratio": mean_norm_ratio_value(reduced, p),
         }
         for form in FORMS:
             spec = self.spectra[form]

@@ -110,10 +110,12 @@ def mean_row(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Ten
 
 # --- mean pairwise cosine --------------------------------------------------------------------
 def mean_cosine_stats(rows: torch.Tensor, prefix: str = "", mean: torch.Tensor | None = None) -> dict[str, Stat]:
-    """s = Σ_i u_i and n = #{i : ‖x_i‖ > 0}, with x_i = w_i − μ (μ = `mean`, or 0 when None)
-    and u_i = x_i/‖x_i‖ over this rank's nonzero rows (sums; keys ``unit_sum``, ``nonzero``)."""
+    """s = Σ_i u_i, n = #{i : ‖x_i‖ > 0} and Σ_i ‖x_i‖, with x_i = w_i − μ (μ = `mean`, or 0
+    when None) and u_i = x_i/‖x_i‖ over this rank's nonzero rows (sums; keys ``unit_sum``,
+    ``nonzero``, ``norm_sum``)."""
     s = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
     n = torch.zeros((), dtype=torch.float64, device=rows.device)
+    norms = torch.zeros((), dtype=torch.float64, device=rows.device)
     for x in _blocks(rows):
         if mean is not None:
             x = x - mean
@@ -121,7 +123,8 @@ def mean_cosine_stats(rows: torch.Tensor, prefix: str = "", mean: torch.Tensor |
         keep = norm > 0  # a zero row adds 0 / 1 to s: no row is selected (no host read)
         s += (x / torch.where(keep, norm, 1.0)[:, None]).sum(0)
         n += keep.sum()
-    return {f"{prefix}unit_sum": Stat(s), f"{prefix}nonzero": Stat(n)}
+        norms += norm.sum(dtype=torch.float64)
+    return {f"{prefix}unit_sum": Stat(s), f"{prefix}nonzero": Stat(n), f"{prefix}norm_sum": Stat(norms)}
 
 
 def mean_cosine_value(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
@@ -130,6 +133,15 @@ def mean_cosine_value(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> 
     0-d tensor (nothing read back). NaN when fewer than two rows are nonzero."""
     s, n = reduced[f"{prefix}unit_sum"], reduced[f"{prefix}nonzero"].to(torch.float64)
     return torch.where(n < 2, math.nan, (s @ s - n) / (n * (n - 1)).clamp_min(1.0))
+
+
+def mean_norm_ratio_value(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> torch.Tensor:
+    """‖μ‖ / mean_i ‖w_i‖ = ‖Σ_i w_i‖ / Σ_i ‖w_i‖ over all V rows (Stollenwerk & Stollenwerk
+    2025's ‖μ‖ ratio; 1 when every row points the same way, 0 when the rows are centred), from
+    `moment_stats` / `mean_stats` (``sum``) and the raw `mean_cosine_stats` (``raw/norm_sum``);
+    NaN for an all-zero matrix. A 0-d tensor."""
+    total, norms = reduced[f"{prefix}sum"], reduced[f"{prefix}raw/norm_sum"]
+    return torch.where(norms > 0, total.norm() / norms.clamp_min(torch.finfo(torch.float64).tiny), math.nan)
 
 
 def mean_cosine_finish(reduced: Mapping[str, torch.Tensor], prefix: str = "") -> float:
@@ -395,6 +407,7 @@ __all__ = [
     "mean_cosine",
     "mean_cosine_finish",
     "mean_cosine_value",
+    "mean_norm_ratio_value",
     "mean_cosine_stats",
     "mean_row",
     "mean_stats",

@@ -1,0 +1,1 @@
+"""Output-embedding centering: μ-centering and μ-loss (Stollenwerk, Lokrantz & Hertzberg 2026)."""
