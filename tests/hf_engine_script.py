@@ -44,6 +44,8 @@ CONFIGS = {
         method=("agg", "simctg", "uniformity"), alpha=2, window=2, simctg_weight=0.5, uniformity_weight=0.1,
         metrics=("hidden", "bottleneck", "uniformity", "eval"), report_at_end=True,
     ),
+    "coupled_centering": dict(method=("coupled_adam", "mu_centering"), metrics=("geometry",)),
+    "mu_loss": dict(method="mu_loss", mu_loss_weight=10.0, metrics=("geometry",)),
 }
 
 GLOBAL_BATCH, ACCUMULATION, STEPS = 4, 2, 4

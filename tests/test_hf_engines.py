@@ -226,6 +226,51 @@ def test_zero3_model_loaded_partitioned(tmp_path, reference):
     assert_same_run(result(reference, "agg_untied"), got)
 
 
+REMEDIES = ("coupled_centering", "mu_loss")
+"""Coupled Adam with μ-centering (the optimizer's update and the step-end centring of the head's
+rows) and μ-loss (a loss term), each with the geometry metrics."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_the_optimizer_side_remedies_equal_one_process_and_resume(tmp_path, engine):
+    """FSDP2 holds the head as row shards: Coupled Adam's vocabulary mean of v and μ-centering's
+    mean row are sums over the shards, equal to one process's; resumed from step 2 (Coupled
+    Adam's state in the engine's optimizer checkpoint), steps 3 and 4 are the uninterrupted run's."""
+    run(tmp_path / "single", "single", ",".join(REMEDIES))
+    out = tmp_path / engine
+    run(out, engine, ",".join(REMEDIES), "--save", "2")
+    for name in REMEDIES:
+        got = result(out, name)
+        assert_engine(got[0], engine)
+        assert_same_run(result(tmp_path / "single", name), got)
+    run(out, engine, "coupled_centering", "--resume", "2")
+    assert_same_run(result(out, "coupled_centering"), result(out, "coupled_centering", "_resumed2"), steps={3, 4})
+
+
+@pytest.mark.slow
+def test_the_optimizer_side_remedies_are_refused_under_fsdp1(tmp_path):
+    with pytest.raises(AssertionError, match="FSDP1 flattens the parameters into buffers sharded by elements"):
+        run(tmp_path, "fsdp1", "coupled_centering")
+    assert not (tmp_path / "coupled_centering" / "record.json").exists()
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp1", "fsdp2", None])
+def test_which_engines_step_flat_buffers(engine):
+    """`optimizer_flat`, the rule that refuses Coupled Adam and μ-centering at construction."""
+    from types import SimpleNamespace
+
+    from aniso_plugins.integrations.hf.layout import optimizer_flat
+
+    plugin = SimpleNamespace(fsdp_version=int(engine[-1])) if engine in ("fsdp1", "fsdp2") else None
+    trainer = SimpleNamespace(is_deepspeed_enabled=engine == "deepspeed", is_fsdp_enabled=plugin is not None,
+                              accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
+    why = optimizer_flat(trainer)
+    assert (why is None) == (engine in ("fsdp2", None))
+    if why is not None:
+        assert ("DeepSpeed" if engine == "deepspeed" else "FSDP1") in why and "fsdp_version': 2" in why
+
+
 @pytest.mark.parametrize(
     ("parallelism", "fsdp_strategy", "message"),
     [

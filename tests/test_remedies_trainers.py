@@ -17,7 +17,7 @@ from aniso_plugins import AnisoConfig, SetupError
 from aniso_plugins.integrations.hf import AnisoCallback
 from aniso_plugins.integrations.lightning import AnisoCallback as LightningCallback
 from hf_utils import TokenDataset, tiny_llama
-from lightning_utils import LitLM, loader
+from lightning_utils import DIM, LitLM, loader
 
 STEPS, LR, BETAS, EPS, MU_WEIGHT = 3, 1e-2, (0.9, 0.999), 1e-8, 5.0
 METHODS = {
@@ -148,3 +148,36 @@ def test_lightning_refuses_flat_optimizers_at_setup(method, strategy, monkeypatc
     with pytest.raises(SetupError, match="ModelParallelStrategy"):
         callback.setup(trainer, module, "fit")
     assert callback.session.handle is None and adapter is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("methods", [("coupled_adam", "mu_centering"), ("mu_loss",)])
+def test_lightning_fsdp2_equals_one_process(tmp_path, methods):
+    """`ModelParallelStrategy` (FSDP2: the tied head and embedding as row shards, DTensors) on
+    two processes against one process on the same global batches: weights and logged values."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([here, os.path.join(here, "..", "examples")]))
+    runs = {}
+    for mode in ("single", "fsdp2"):
+        out = tmp_path / f"{mode}.json"
+        proc = subprocess.run([sys.executable, os.path.join(here, "lightning_remedies_script.py"), mode, str(out), *methods],
+                              env=env, timeout=300, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[mode] = json.loads(out.read_text())
+    single, fsdp2 = runs["single"], runs["fsdp2"]
+    assert fsdp2["types"]["model.embed.weight"] == "DTensor" and single["types"]["model.embed.weight"] == "Parameter"
+    assert single["metrics"] and fsdp2["metrics"].keys() == single["metrics"].keys()
+    for name, value in single["metrics"].items():
+        assert fsdp2["metrics"][name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    for name, value in single["weights"].items():
+        got, want = torch.tensor(fsdp2["weights"][name]), torch.tensor(value)
+        if name.endswith("in_proj_bias"):  # the key bias: softmax makes its gradient 0 up to rounding, which
+            got[DIM : 2 * DIM] = want[DIM : 2 * DIM]  # AdamW's normalised step turns into ±lr (also without aniso)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    moved = torch.tensor(single["weights"]["model.embed.weight"]) - LitAdam().model.embed.weight.double()
+    assert moved.abs().max() > 1e-3

@@ -35,6 +35,8 @@ B = ["--aniso.method", "hinge", "uniformity", "--aniso.reg_weight", "0.5", "--an
      "--aniso.uniformity_weight", "0.3", "--aniso.metrics", "geometry"]
 C = ["--aniso.method", "agg", "spectrum", "--aniso.reg_weight", "0.5", "--aniso.fused-loss", "False",
      "--aniso.metrics", "geometry"]
+D = ["--aniso.method", "coupled_adam", "mu_centering", "--aniso.metrics", "geometry"]
+E = ["--aniso.method", "mu_loss", "--aniso.mu_loss_weight", "10.0", "--aniso.metrics", "geometry"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
 SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -51,6 +53,10 @@ LAYOUTS = {
                                                "--parallelism.tensor_parallel_degree", "2"]),
     "tp_hinge_uniformity": ("one_B", 2, "data_w1", 4, B + TP2),
     "tp_spectrum_unfused": ("one_C", 2, "data_w1", 4, C + TP2),
+    # Coupled Adam's vocabulary mean and μ-centering's mean row over FSDP2 x TP row shards (2-D DTensors)
+    "fsdp_tp_coupled_centering": ("one_D", 4, "data_w2", 2, D + ["--parallelism.data_parallel_shard_degree", "2",
+                                                               "--parallelism.tensor_parallel_degree", "2"]),
+    "tp_mu_loss": ("one_E", 2, "data_w1", 4, E + TP2),
     **{f"pp_{s}": ("one_A_ga4", 2, "data_w1", 4, A + (EVAL if s == "1F1B" else [])
                    + [a for a in PP2] + ["--parallelism.pipeline_parallel_schedule", s]) for s in SCHEDULES},
     "ep": ("one_moe", 2, "data_w2", 2, A + ["--parallelism.data_parallel_shard_degree", "2",
@@ -58,7 +64,7 @@ LAYOUTS = {
 }
 for _name in ("pp_1F1B", "pp_GPipe", "pp_Interleaved1F1B", "pp_LoopedBFS", "pp_InterleavedZeroBubble", "pp_ZBVZeroBubble"):
     LAYOUTS[_name] = (*LAYOUTS[_name][:4], [a for a in LAYOUTS[_name][4] if a != "hidden"])  # blocks split: refused
-RESUMED = ("tp", "hsdp", "pp_1F1B")
+RESUMED = ("tp", "hsdp", "pp_1F1B", "fsdp_tp_coupled_centering")
 MISSING_IN_TORCHTITAN = {"pp_ZBVZeroBubble": {"norm.weight"}}
 """Gradients stock torchtitan 0.3.0 itself may leave at None under a layout (its ZBV schedule
 does not always compute the last stage's norm.weight gradient, with or without aniso_plugins)."""
@@ -96,6 +102,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
              + ["--validator.steps", "4"], after=["seed"], local=1),
         dict(name="one_B", config="cpu_aniso", args=seed + COMMON + B, after=["seed"], local=4),
         dict(name="one_C", config="cpu_aniso", args=seed + COMMON + C, after=["seed"], local=4),
+        dict(name="one_D", config="cpu_aniso", args=seed + COMMON + D, after=["seed"], local=4),
+        dict(name="one_D1", config="cpu_aniso", args=seed + COMMON + D + ["--training.steps", "1"], after=["seed"], local=4),
+        dict(name="one_E", config="cpu_aniso", args=seed + COMMON + E, after=["seed"], local=4),
         dict(name="one_moe", config="cpu_moe_aniso", args=moe_seed + COMMON + A, after=["seed_moe"], local=4),
     ]
     for name, (ref, world, data, local, flags) in LAYOUTS.items():
@@ -177,6 +186,34 @@ def test_the_layouts_measure_what_they_hold(runs, name, tag):
     assert tag in run and set(run[tag]) == set(ref[tag]) and ref[tag], tag
     for step, value in ref[tag].items():
         assert math.isfinite(value) and run[tag][step] == pytest.approx(value, rel=1e-5, abs=1e-9), (tag, step)
+
+
+@pytest.mark.slow
+def test_coupled_adam_and_centering_follow_the_formula_in_torchtitan(runs):
+    """Step 1 of one rank with Coupled Adam + μ-centering, from its recorded weights and gradient:
+    m̂ = g and v̂ = g² at t = 1, so Coupled Adam moves the head by −lr·q, q = g / (√(mean_i g_i²) + ε)
+    (one denominator per hidden dimension, shared by every row), and centring then subtracts the
+    mean row: W1 − W0 + mean(W0) = −lr·(q − mean(q)) for one lr, and mean(W1) = 0."""
+    run = runs["one_D1"]
+    w0, g, w1 = (run[key]["lm_head.weight"].double() for key in ("params", "grads", "final_params"))
+    q = g / (g.square().mean(0).sqrt() + 1e-8)
+    moved, direction = w1 - w0 + w0.mean(0), q - q.mean(0)
+    lr = float(-(moved * direction).sum() / direction.square().sum())
+    assert lr > 0 and float((moved + lr * direction).abs().max()) <= 1e-5 * float(moved.abs().max())
+    assert float(w1.mean(0).abs().max()) < 1e-7 * float(w1.abs().max())
+    plain_adam = g / (g.abs() + 1e-8)  # AdamW's own step-1 direction: what an unhooked optimizer would have taken
+    assert float((moved + lr * (plain_adam - plain_adam.mean(0))).abs().max()) > 0.1 * float(moved.abs().max())
+
+
+@pytest.mark.slow
+def test_the_remedies_final_weights_equal_one_rank(runs):
+    """After the 4 steps, not only the step-2 gradients: every parameter of the sharded runs, to
+    1e-5 absolute (AdamW's normalised step lifts the float32 rounding of another reduction order to
+    ~3e-6 on the blocks, with the loss term alone too; a wrong vocabulary mean moves the head by ~lr)."""
+    for name in ("fsdp_tp_coupled_centering", "tp_mu_loss"):
+        run, ref = runs[name], runs[LAYOUTS[name][0]]
+        for param, want in ref["final_params"].items():
+            torch.testing.assert_close(run["final_params"][param], want, rtol=0, atol=1e-5, msg=f"{name}: {param}")
 
 
 @pytest.mark.slow
