@@ -156,6 +156,9 @@ TRAINING_METHODS: dict[str, dict] = {
     "uniformity_hidden": dict(method="uniformity", uniformity_on="hidden"),
     "agg_simctg": dict(method=("agg", "simctg"), alpha=0.5, window=50),
     "frequency_metric": dict(metrics=("frequency",), metrics_every=1000),
+    "coupled_adam": dict(method="coupled_adam"),
+    "mu_centering": dict(method="mu_centering"),
+    "mu_loss": dict(method="mu_loss"),
 }
 """Every training method and head (with its ablations and a metric that counts in every step), as
 `AnisoConfig` keywords: window 50, no measurement in the first few steps."""

@@ -1,5 +1,5 @@
 """Coupled Adam (`aniso_plugins.methods.coupled_adam`) against the update written out here from the
-paper's formula in float64 (Stollenwerk & Stollenwerk 2025; docs/methods.md §15), through a real
+paper's formula in float64 (Stollenwerk & Stollenwerk 2025; docs/methods.md §17), through a real
 `torch.optim.AdamW` / `Adam` whose other parameters must stay exactly torch's; resume from the
 optimizer's state_dict; fp16 loss scaling with the fused kernel; the refusals."""
 

@@ -101,6 +101,25 @@ def test_the_agg_counter_and_gates_run_on_a_fake_cuda_device():
             assert g1.device.type == "cuda" and counter.counts().device.type == "cuda"
 
 
+def test_coupled_adam_and_centering_run_on_a_fake_cuda_device():
+    """Coupled Adam's step (its step count and bias corrections on the device) through a fused
+    AdamW's hooks, with the fp16 scaler's found_inf, and μ-centering: no host read, no host tensor."""
+    from aniso_plugins.methods.centering.centering import center_rows_
+    from aniso_plugins.methods.coupled_adam.update import CoupledAdam
+
+    with fake_cuda():
+        e = nn.Parameter(torch.randn(V, 8, device="cuda"))
+        b = nn.Parameter(torch.randn(8, device="cuda"))
+        opt = torch.optim.AdamW([e, b], lr=1e-2, fused=True)
+        CoupledAdam(opt, [e])
+        for _ in range(3):
+            e.grad, b.grad = torch.randn_like(e), torch.randn_like(b)
+            opt.found_inf = torch.zeros((), device="cuda")
+            opt.step()
+            center_rows_(e)
+        assert opt.state[e]["step"].device.type == "cuda" and e.device.type == "cuda"
+
+
 def test_count_targets_reads_nothing_back_and_names_a_bad_id_on_the_cpu():
     y = torch.tensor([[1, 2, 2, -100], [5, 5, 5, 0]])
     with HostSyncs() as syncs:
@@ -244,7 +263,7 @@ def test_no_host_read_through_trls_sft_trainer(tmp_path, name):
 
 
 LIGHTNING_METHODS = ("agg", "agg_rare_fraction", "cosreg", "hinge", "spectrum", "lowrank", "simctg", "uniformity",
-                     "frequency_metric")
+                     "frequency_metric", "mu_centering", "mu_loss")
 
 
 def _lightning_window(tmp_path, config: dict | None) -> StepWindow:

@@ -1,6 +1,6 @@
 """Coupled Adam, μ-centering and μ-loss through the real HF Trainer and `lightning.Trainer` (one
 process, float64 models) against a training loop written here: PyTorch's own AdamW for every
-other parameter and the papers' formulas for the output embedding (docs/methods.md §15-16); a
+other parameter and the papers' formulas for the output embedding (docs/methods.md §17-18); a
 run resumed from the HF Trainer's checkpoint equals the uninterrupted run; the layouts these
 methods cannot serve are refused at set-up."""
 

@@ -1,5 +1,5 @@
 """Output-embedding centering (Stollenwerk, Lokrantz & Hertzberg 2026, arXiv 2601.02031; official
-code ``flxst/output-embedding-centering``), docs/methods.md §16, on the output embedding E (V × H)
+code ``flxst/output-embedding-centering``), docs/methods.md §18, on the output embedding E (V × H)
 with mean row μ = (1/V) Σ_i e_i:
 
 - μ-centering: E ← E − 1μᵀ after every optimizer step (their ``train.py``), so that μ = 0;

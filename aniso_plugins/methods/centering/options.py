@@ -1,4 +1,4 @@
-"""The options of output-embedding centering, docs/methods.md §16: fields of `aniso_plugins.AnisoConfig`."""
+"""The options of output-embedding centering, docs/methods.md §18: fields of `aniso_plugins.AnisoConfig`."""
 
 from __future__ import annotations
 

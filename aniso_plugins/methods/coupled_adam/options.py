@@ -1,4 +1,4 @@
-"""The options of Coupled Adam, docs/methods.md §15: fields of `aniso_plugins.AnisoConfig`."""
+"""The options of Coupled Adam, docs/methods.md §17: fields of `aniso_plugins.AnisoConfig`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Coupled Adam (Stollenwerk & Stollenwerk, ACL 2025, arXiv 2502.08441; official code
-``flxst/coupled-adam``, ``nanoGPT/coupled_adam.py``), docs/methods.md §15.
+``flxst/coupled-adam``, ``nanoGPT/coupled_adam.py``), docs/methods.md §17.
 
 The softmax gradients of the output embedding E (V × H) sum to zero over the vocabulary, so SGD
 leaves the mean embedding μ in place; Adam divides each element by its own √v̂, which grows with
