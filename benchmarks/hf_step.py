@@ -10,7 +10,9 @@ Variants, each a real `transformers.Trainer` (AdamW, no clipping) on the same se
 Zipf(1.2) token ids: ``plain`` (no callback: the model's own loss from the full logits),
 ``mle_fused`` (``AnisoConfig(fused_loss=True)``: the same loss from the fused chunked
 cross-entropy), ``agg_fused`` (``method="agg"``: fused by default), ``agg_gated`` (``method="agg",
-fused_loss=False``: the gated head, full logits).
+fused_loss=False``: the gated head, full logits); and the other remedies of docs/results.md §9
+(``cosreg``, ``hinge``, ``spectrum``, ``untie``, ``lowrank``, ``coupled_adam``, ``mu_centering``,
+``mu_loss``) for ``--variants``.
 
 - time: one process; ``--rounds`` rounds each train every variant for ``--steps`` optimizer steps
   (after one warm-up step in the same Trainer); a step is the wall time from the Trainer's
@@ -77,6 +79,15 @@ VARIANTS = {
     "mle_fused": dict(fused_loss=True),
     "agg_fused": dict(method="agg"),
     "agg_gated": dict(method="agg", fused_loss=False),
+    # the remedies of docs/results.md §9 (``--variants plain,agg_fused,cosreg,...``)
+    "cosreg": dict(method="cosreg"),
+    "hinge": dict(method="hinge", hinge_sample=256),
+    "spectrum": dict(method="spectrum", reg_weight=0.1),
+    "untie": dict(head="untie"),
+    "lowrank": dict(head="lowrank", lowrank_rank=16),
+    "coupled_adam": dict(method="coupled_adam"),
+    "mu_centering": dict(method="mu_centering"),
+    "mu_loss": dict(method="mu_loss"),
 }
 
 ENGINE_VARIANTS = {
@@ -308,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--length", type=int, help="default 512; 256 with --engine")
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per round (after one warm-up step)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default="plain,mle_fused,agg_fused,agg_gated", help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--engine", default="", help="comma-separated distributed engines (tests/hf_engines.py ENGINES); "
                    "default none: the 1-process variants")  # fmt: skip
     p.add_argument("--nproc", type=int, default=2, help="processes per engine (--engine)")

@@ -3,18 +3,21 @@ side (docs/results.md).
 
     python examples/study.py                      # the full study: every method x 3 seeds
     python examples/study.py --quick              # a smoke run: 3 methods x 1 seed, few steps
+    python examples/study.py --remedies           # the ranking of every training remedy (docs/results.md §9)
 
 Each run is the HF example (examples/hf_train.py: a tiny tied GPT-2 on Python's help text with
 a word-level vocabulary, through the real `transformers.Trainer` and one `AnisoCallback`), with
 the gradient-bottleneck probe on. Per run: validation perplexity overall and per frequency
 group, Uniq, I(W) raw and centred, I(W) of the rare group, mean cosine, rare-frequent cosine,
-effective rank, the lost fraction, wall time; and the trajectories of I(W), mean cosine and the
+effective rank, ‖μ‖ / mean‖e_i‖, the lost fraction, the validation loss per frequency-rank
+bucket of the targets (`BUCKETS`), training and wall time; and the trajectories of I(W), mean cosine and the
 rare group's I(W) over the logged steps. Writes into ``--output-dir``: ``runs.json`` (every
 run), ``study.md`` (mean ± std over seeds per method), and the plots ``trajectories.png``
 (I(W) and mean cosine against the step, every method), ``rare_isotropy.png`` (the rare group's
 I(W) over training, AGG paper Figure 2's quantity), ``groups.png`` (each frequency group's
-I(W) and the rare-frequent cosine over training for MLE, Freeze and AGG), ``tradeoff.png`` (perplexity against I(W))
-and, through the report module (`aniso_plugins.offline.report`, the corpus as its text), ``report/`` with
+I(W) and the rare-frequent cosine over training for MLE, Freeze and AGG), ``tradeoff.png`` (perplexity against I(W)),
+``projections.png`` (each method's head rows on their top two singular directions, seed 0) and,
+through the report module (`aniso_plugins.offline.report`, the corpus as its text), ``report/`` with
 ``spectrum.png``, ``projection.png`` (rows coloured by frequency group), ``cosines.png``,
 ``layers.png`` and ``norm_frequency.png`` of the final MLE and AGG models (seed 0, saved in
 ``models/``). ``runs.json`` is written after every run; running the same command again resumes
@@ -55,12 +58,18 @@ STUDY: dict[str, dict] = {
     "coupled adam": dict(method="coupled_adam"),  # the paper's defaults: s = 1, the embedding not decayed
     "mu-centering": dict(method="mu_centering"),
     "mu-loss": dict(method="mu_loss", mu_loss_weight=1e-4),  # the paper's λ
+    "mu-loss, λ=1": dict(method="mu_loss", mu_loss_weight=1.0),  # 10^4 x the paper's: whether it acts at all here
 }
 # the ranking of docs/results.md §9: every training remedy, each at its paper's (or the recipe's) setting
 REMEDIES = (
     "mle", "agg", "agg, alpha per 32768 tokens", "cosreg", "hinge", "spectrum", "untied head", "low-rank r=16",
-    "coupled adam", "mu-centering", "mu-loss",
+    "coupled adam", "mu-centering", "mu-loss", "mu-loss, λ=1",
 )
+BUCKETS = ((1, 100), (100, 500), (500, 2500), (2500, 4096), (4096, None))
+"""Frequency-rank buckets of the target ids (ids are ranks: 1 the most frequent word; 0, <unk>, in
+none: it stands for every word outside the vocabulary, so that buckets compare across vocabulary
+sizes; 2500-4096 holds the same words in a vocabulary of 4096 and of 8192). Chung & Kim 2025 find a
+larger vocabulary's gain almost only on the 2,500 most frequent words."""
 QUICK = ("mle", "agg", "simctg")
 REPORTED = ("mle", "agg")  # seed 0 of these is saved and compared through the report module
 
@@ -79,8 +88,10 @@ COLUMNS = [
     ("effective rank", "aniso/geometry/head/effective_rank"),
     ("‖μ‖ ratio", "aniso/geometry/head/mean_norm_ratio"),
     ("lost fraction", "aniso/bottleneck/lost_fraction"),
+    ("train (s)", "train_s"),
     ("wall (s)", "wall_s"),
 ]
+BUCKET_COLUMNS = [(f"loss ranks {lo}-{hi or 'V'}", f"bucket/{lo}-{hi or 'V'}") for lo, hi in BUCKETS]
 TRAJECTORIES = (
     "aniso/geometry/head/isotropy", "aniso/geometry/head/mean_cosine", "aniso/frequency/rare/isotropy",
     "aniso/frequency/medium/isotropy", "aniso/frequency/frequent/isotropy", "aniso/frequency/rare_frequent_cosine",
@@ -95,11 +106,37 @@ def one_run(name: str, seed: int, a: argparse.Namespace) -> tuple[dict, object]:
     start = time.perf_counter()
     trainer, metrics, _, _ = train(method, run_args, prefix="aniso_study_", disable_tqdm=True)
     wall = time.perf_counter() - start
+    runtime = [row["train_runtime"] for row in trainer.state.log_history if "train_runtime" in row]
+    metrics = {**metrics, **bucket_losses(trainer.model, trainer.eval_dataset), "train_s": runtime[-1] if runtime else math.nan}
     history = {
         key: [(row["step"], row[key]) for row in trainer.state.log_history if key in row] for key in TRAJECTORIES
     }
     record = {"method": name, "seed": seed, "wall_s": wall, "final": {**metrics, "wall_s": wall}, "history": history}
     return record, trainer.model
+
+
+def bucket_losses(model, dataset) -> dict[str, float]:
+    """Mean validation cross-entropy (nats) of the targets in each of `BUCKETS`, and each bucket's
+    share of the targets, as ``bucket/<lo>-<hi>`` and ``bucket_share/<lo>-<hi>``."""
+    import torch.nn.functional as F
+
+    sums = torch.zeros(len(BUCKETS), dtype=torch.float64)
+    counts = torch.zeros(len(BUCKETS), dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(dataset), 32):
+            batch = torch.utils.data.default_collate([dataset[i] for i in range(start, min(start + 32, len(dataset)))])
+            ids = batch["input_ids"].to(model.device)
+            logits = model(input_ids=ids).logits[:, :-1].flatten(0, 1).double()
+            targets = ids[:, 1:].flatten()
+            loss = F.cross_entropy(logits, targets, reduction="none").cpu()
+            for k, (lo, hi) in enumerate(BUCKETS):
+                inside = (targets.cpu() >= lo) & (targets.cpu() < (hi or 1 << 62))
+                sums[k] += loss[inside].sum()
+                counts[k] += inside.sum()
+    names = [f"{lo}-{hi or 'V'}" for lo, hi in BUCKETS]
+    return {**{f"bucket/{n}": float(sums[k] / counts[k]) if counts[k] else math.nan for k, n in enumerate(names)},
+            **{f"bucket_share/{n}": float(counts[k] / counts.sum()) for k, n in enumerate(names)}}
 
 
 def plots(runs: list[dict], directory: Path) -> list[str]:
@@ -179,7 +216,8 @@ def save_projection(model, path: Path) -> None:
 
 def projection_grid(methods: list[str], directory: Path) -> list[str]:
     """projections.png: one panel per method (seed 0), the head rows on their top two singular
-    directions, coloured by frequency rank (ids are ranks: id 1 the most frequent word)."""
+    directions, coloured by frequency rank (ids are ranks: id 1 the most frequent word), each
+    direction's sign chosen so that the 100 most frequent rows lie on its positive side."""
     if not methods:
         return []
     import matplotlib
@@ -190,9 +228,10 @@ def projection_grid(methods: list[str], directory: Path) -> list[str]:
 
     cols = min(4, len(methods))
     rows = -(-len(methods) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 0.8, 3.0 * rows), squeeze=False)
     for ax, m in zip(axes.flat, methods):
         xy = np.load(directory / "projections" / f"{m}.npy")
+        xy = xy * np.where(xy[1:101].mean(0) < 0, -1.0, 1.0)  # a direction's sign is arbitrary: frequent rows right / up
         points = ax.scatter(xy[:, 0], xy[:, 1], c=np.log10(np.arange(1, len(xy) + 1)), s=2, cmap="viridis")
         ax.axhline(0, color="0.8", lw=0.5)
         ax.axvline(0, color="0.8", lw=0.5)
@@ -200,9 +239,13 @@ def projection_grid(methods: list[str], directory: Path) -> list[str]:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(methods):]:
         ax.axis("off")
-    fig.colorbar(points, ax=axes, shrink=0.6, label="log10 frequency rank")
-    fig.suptitle("head rows on their top two singular directions (seed 0)", fontsize=10)
-    return [_save(fig, plt, directory / "projections.png")]
+    fig.suptitle("head rows on their top two singular directions (seed 0); colour: log10 frequency rank", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.93, 1))
+    fig.colorbar(points, cax=fig.add_axes((0.945, 0.15, 0.012, 0.7)))
+    path = directory / "projections.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]
 
 
 def settings_of(a: argparse.Namespace) -> dict:
@@ -276,7 +319,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     save_runs(directory / "runs.json", runs, done)
     total = sum(r["wall_s"] for r in runs)
     header = f"{len(methods)} methods x seeds {a.seeds}, {a.steps} steps, V={a.vocab_size}, d={a.d_model}; {total:.0f} s of training"
-    (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs, COLUMNS)}\n")
+    buckets = summary_table(runs, BUCKET_COLUMNS) if all("bucket/2500-4096" in r["final"] for r in runs) else ""
+    (directory / "study.md").write_text(f"# Study: {header}\n\n{summary_table(runs, COLUMNS)}\n\n"
+                                        f"Validation loss (nats) per frequency-rank bucket of the targets:\n\n{buckets}\n")
     written = [str(directory / "runs.json"), str(directory / "study.md"), *plots(runs, directory)]
     written += projection_grid([m for m in methods if (directory / "projections" / f"{m}.npy").exists()], directory)
     reported = [m for m in REPORTED if m in methods]

@@ -132,6 +132,28 @@ def test_lightning_trains_the_formula(name, tied):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=n)
 
 
+def test_lightning_resume_from_a_checkpoint_is_exact(tmp_path):
+    """Coupled Adam's state rides in the ``.ckpt``'s optimizer state: a fit resumed at step 2 of 4
+    ends where the uninterrupted fit does."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(module, steps, ckpt_path=None, save=False):
+        callbacks = [LightningCallback(AnisoConfig(method=("coupled_adam", "mu_centering"), metrics=(),
+                                                   load_entry_points=False), **PATHS)]
+        if save:
+            callbacks.append(ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}"))
+        pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, precision="64-true", logger=False,
+                   enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=callbacks).fit(module, loader(n=16, batch_size=8), ckpt_path=ckpt_path)
+        return module
+
+    full = fit(LitAdam(tied=False).double(), 4)
+    fit(LitAdam(tied=False).double(), 2, save=True)
+    resumed = fit(LitAdam(tied=False).double(), 4, ckpt_path=str(tmp_path / "step=2.ckpt"))
+    for (n, a), b in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
 @pytest.mark.parametrize("method", ["coupled_adam", "mu_centering"])
 @pytest.mark.parametrize("strategy", ["fsdp1", "deepspeed"])
 def test_lightning_refuses_flat_optimizers_at_setup(method, strategy, monkeypatch):

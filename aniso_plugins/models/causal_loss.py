@@ -8,7 +8,7 @@ OPT, GPT-NeoX, Falcon in transformers 5) computes in its forward
 
 and passes ``logits`` on unchanged. ForCausalLMLoss is Σ_{i: y_i ≠ −100} CE_i / D over the
 shifted labels (or ``shift_labels``), D = ``num_items_in_batch`` when the Trainer passes it,
-else the number of non-ignored targets (docs/methods.md §18). `why_loss_is_not_reproduced`
+else the number of non-ignored targets (docs/methods.md §16). `why_loss_is_not_reproduced`
 reads the forward's code (its syntax tree) for exactly that flow; `install_fused_causal_loss`
 then makes ``model.loss_function`` take the head's fused sum Σ CE_i (a 0-dim tensor, which the
 model passes where its logits would be, a `aniso_plugins.methods.fused_loss.loss_sum.FusedLossSum`

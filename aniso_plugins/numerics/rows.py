@@ -63,18 +63,19 @@ def split_rows(weight: torch.Tensor, what: str) -> Rows:
 
 
 def row_mean(weight: torch.Tensor) -> torch.Tensor:
-    """μ = (1/V) Σ_i w_i of the (V, d) `weight` in float64, the same on every rank that holds part
-    of it: a plain tensor (one process, a DDP replica) in full; a DTensor whose placements are
-    row shards or replicas (FSDP2, HSDP, a tensor-parallel vocabulary shard, torchtitan's 2-D
-    layouts) from this rank's partition of its rows (`mesh_rows`) summed over every mesh
-    dimension. Raises for a DTensor sharded along d. The sum over ranks differs from one
-    process's only in float64 rounding order."""
+    """μ = (1/V) Σ_i w_i of the (V, d) `weight`, accumulated in `work_dtype` (float32, or
+    float64 for a float64 weight: a per-step sum; a float64 accumulation of a float32 matrix costs
+    12× on a CPU), the same on every rank that holds part of it: a plain tensor (one process, a
+    DDP replica) in full; a DTensor whose placements are row shards or replicas (FSDP2, HSDP, a
+    tensor-parallel vocabulary shard, torchtitan's 2-D layouts) from this rank's partition of its
+    rows (`mesh_rows`) summed over every mesh dimension. Raises for a DTensor sharded along d.
+    The sum over ranks differs from one process's only in rounding order."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(weight, DTensor):
-        return weight.sum(0, dtype=torch.float64) / weight.shape[0]
+        return weight.sum(0, dtype=work_dtype(weight.dtype)) / weight.shape[0]
     part = mesh_rows(weight)
-    total = part.rows.sum(0, dtype=torch.float64)
+    total = part.rows.sum(0, dtype=work_dtype(weight.dtype))
     mesh = weight.device_mesh
     for dim in range(mesh.ndim):
         if mesh.size(dim) > 1:

@@ -8,18 +8,18 @@ with mean row μ = (1/V) Σ_i e_i:
 
 Rows wherever they live (`aniso_plugins.numerics.rows`): a full tensor or replica in full; a
 row-sharded DTensor (FSDP2, HSDP, a tensor-parallel vocabulary shard) from each rank's rows, μ
-summed over the shards in float64. No host read.
+summed over the shards (float32 accumulation, float64 for a float64 weight). No host read.
 """
 
 from __future__ import annotations
 
 import torch
 
-from aniso_plugins.numerics.rows import global_sum, local_part, no_autocast, row_mean, split_rows
+from aniso_plugins.numerics.rows import global_sum, local_part, no_autocast, row_mean, split_rows, work_dtype
 
 
 def center_rows_(weight: torch.Tensor) -> None:
-    """μ-centering: subtract the mean row μ (float64, over every shard) from each row of the
+    """μ-centering: subtract the mean row μ (over every shard, `row_mean`) from each row of the
     (V, H) `weight`, in place (its local shard for a DTensor)."""
     with torch.no_grad():
         rows = local_part(weight)
@@ -31,7 +31,8 @@ def mean_row_penalty(weight: torch.Tensor) -> torch.Tensor:
     a full tensor, or a ``Shard(0)`` DTensor reduced over its mesh (`split_rows`)."""
     parts = split_rows(weight, "mean_row_penalty")
     with no_autocast(parts.rows):
-        mean = global_sum(parts.rows.sum(0, dtype=torch.float64), parts.group) / parts.total
+        total = global_sum(parts.rows.sum(0, dtype=work_dtype(parts.rows.dtype)), parts.group)
+        mean = total.to(torch.float64) / parts.total
         return mean.dot(mean)
 
 

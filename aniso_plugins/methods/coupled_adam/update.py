@@ -19,7 +19,7 @@ hold): before each step it takes E out of its group, so Adam updates every other
 before; after it, it updates E as above and puts it back. E's state keeps Adam's names
 (``step``, ``exp_avg``, ``exp_avg_sq``) in ``optimizer.state``, so the trainer's checkpoint
 saves and resumes it. Sharded rows (FSDP2, HSDP, torchtitan's vocabulary shards: DTensors) are
-updated on each rank's shard, v̄ summed over the shards in float64 (`row_mean`).
+updated on each rank's shard, v̄ summed over the shards (`row_mean`).
 
 No host read: the step count and the bias corrections stay on E's device; a fused optimizer's
 ``grad_scale`` / ``found_inf`` (fp16 loss scaling with ``fused=True``) are honoured on the
@@ -68,8 +68,10 @@ def coupled_adam_update(
     v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
     t = step.to(torch.float64)
     bias1, bias2 = 1 - torch.pow(beta1, t), 1 - torch.pow(beta2, t)
-    denominator = (row_mean(state["exp_avg_sq"]) * scale / bias2).sqrt() + eps  # (H,), float64
-    p.sub_(m / denominator.to(m.dtype) * (lr / bias1).to(m.dtype))
+    mean_v = row_mean(state["exp_avg_sq"])  # (H,), over every row of every shard
+    denominator = (mean_v * scale / bias2.to(mean_v.dtype)).sqrt() + eps
+    # torch's capturable form: the step size folded into the (H,) denominator, one fused addcdiv over E
+    p.addcdiv_(m, (denominator / (lr / bias1).to(mean_v.dtype)).to(m.dtype).expand_as(m), value=-1.0)
 
 
 def init_state(param: torch.Tensor, state: dict) -> None:

@@ -1,4 +1,4 @@
-"""The options of the fused loss (docs/methods.md §18, docs/performance.md §1.1): fields of
+"""The options of the fused loss (docs/methods.md §16, docs/performance.md §1.1): fields of
 `aniso_plugins.AnisoConfig`."""
 
 from __future__ import annotations
