@@ -243,6 +243,25 @@ def test_tied_model_measures_the_head_only():
     assert_close(metrics["aniso/geometry/head/isotropy"], ref, "isotropy")
 
 
+def test_mean_norm_ratio_of_the_head_and_the_embedding():
+    """‖μ‖ / mean_i ‖w_i‖ against numpy, for the untied head and embedding, and 0 after centring."""
+    model = TinyLM(tied=False).double()
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.3)  # a common component: the ratio well inside (0, 1)
+    plugins = AnisoPlugins(config(metrics=("geometry",)))
+    plugins.setup(handle(model))
+    metrics = train(plugins, model, steps=1)[1]
+    for name, weight in (("head", model.lm_head.weight), ("embedding", model.embed.weight)):
+        w = weight.detach().numpy()
+        ref = np.linalg.norm(w.mean(0)) / np.linalg.norm(w, axis=1).mean()
+        assert_close(metrics[f"aniso/geometry/{name}/mean_norm_ratio"], ref, name)
+    assert 0.1 < metrics["aniso/geometry/head/mean_norm_ratio"] < 0.99
+    with torch.no_grad():
+        model.lm_head.weight.sub_(model.lm_head.weight.mean(0))
+    centred = plugins.measure(StepInfo(step=2, measure=True))
+    assert centred["aniso/geometry/head/mean_norm_ratio"] < 1e-12
+
+
 class GatedLinear(torch.autograd.Function):
     """An AGG-style head: ordinary gradient into the input, a scaled one into the weight."""
 

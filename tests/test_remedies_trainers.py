@@ -57,7 +57,7 @@ def reference_training(model: torch.nn.Module, head: torch.Tensor, loss_of, meth
 
 
 # --- HF Trainer ------------------------------------------------------------------------------
-def _hf_trainer(model, config, out, **kw) -> Trainer:
+def _hf_trainer(model, config, out, optimizers=(None, None), **kw) -> Trainer:
     args = TrainingArguments(**{
         **dict(output_dir=str(out), per_device_train_batch_size=8, max_steps=STEPS, learning_rate=LR,
                lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
@@ -65,7 +65,8 @@ def _hf_trainer(model, config, out, **kw) -> Trainer:
                save_strategy="no", seed=0),
         **kw,
     })
-    return Trainer(model=model, args=args, train_dataset=TokenDataset(n=8), callbacks=[AnisoCallback(config)])
+    return Trainer(model=model, args=args, train_dataset=TokenDataset(n=8), callbacks=[AnisoCallback(config)],
+                   optimizers=optimizers)
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -86,6 +87,20 @@ def test_hf_trainer_trains_the_formula(tmp_path, name, tied):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=n)
     if "mu_centering" in name:
         assert model.get_output_embeddings().weight.mean(0).abs().max() < 1e-14
+
+
+def test_hf_trainer_given_its_optimizer(tmp_path):
+    """``Trainer(optimizers=(AdamW(...), None))``: the optimizer the user built is the one hooked."""
+    model = tiny_llama(tied=False).double()
+    expected = copy.deepcopy(model)
+    given = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    config = AnisoConfig(method="coupled_adam", metrics=(), load_entry_points=False)
+    _hf_trainer(model, config, tmp_path, optimizers=(given, None)).train()
+    batch = _batch()
+    reference_training(expected, expected.get_output_embeddings().weight, lambda mod: mod(**batch).loss, ("coupled_adam",))
+    for (n, got), want in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=n)
+    assert set(given.state[model.lm_head.weight]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_hf_resume_from_a_checkpoint_is_exact(tmp_path):
