@@ -346,7 +346,7 @@ class AnisoRuntime:
         session.setup(TitanModelHandle(model), layout, owns_loss=plain, why_not=why_not)
         try:
             session.begin_training(start_step=trainer.step, accumulation_steps=trainer.gradient_accumulation_steps,
-                                   optimizers=tuple(trainer.optimizers))
+                                   optimizers=tuple(getattr(trainer.optimizers, "optimizers", ())))
         except BaseException:
             session.detach()  # a run that cannot begin leaves the model as it was
             raise
