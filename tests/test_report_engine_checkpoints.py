@@ -33,6 +33,8 @@ the tied one (DeepSpeed records the head as a shared parameter) under ZeRO-2."""
 INNER = {"zero3": "global_step4", "zero2": "global_step4", "fsdp2_sharded": "pytorch_model_fsdp_0"}
 """The folder inside ``checkpoint-4`` that holds the engine's shards (also accepted as MODEL)."""
 NAMES = {"embedding": "model.embed_tokens.weight", "head": "lm_head.weight"}
+TRUST = {True: ("--trust-checkpoint",), False: ()}
+"""The flag a ZeRO checkpoint (pickled shards) needs; a DCP folder needs none."""
 
 
 def _train(out: Path, engine: str, run: str | None = None, save: int = 2) -> Path:
@@ -79,7 +81,8 @@ def test_a_checkpoint_is_reported_as_its_gathered_weights(trained, tmp_path, eng
     assert (ckpt / INNER[engine]).is_dir(), sorted(os.listdir(ckpt))  # the script saved the engine's shards
     assert (ckpt / "model.safetensors").exists() is (engine == "zero2")  # ZeRO-3 saved no HF weights
     # one report: checkpoint-4, the shard folder in it, and the gathered weights (their tensor names)
-    p, data = _report(ckpt, ckpt / INNER[engine], run / "weights.safetensors", "--out", tmp_path / "r")
+    p, data = _report(ckpt, ckpt / INNER[engine], run / "weights.safetensors", "--out", tmp_path / "r",
+                      *TRUST[engine.startswith("zero")])
     assert p.returncode == 0, p.stderr
     from_ckpt, from_inner, gathered = data["models"]
     assert from_ckpt["kind"] == from_inner["kind"] == ("dcp" if engine.startswith("fsdp") else "deepspeed")
@@ -94,7 +97,7 @@ def test_a_checkpoint_is_reported_as_its_gathered_weights(trained, tmp_path, eng
         w = weights[NAMES[role]].double().numpy()
         assert entry["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(w), rel=1e-6, abs=1e-9)
     for path in (ckpt, ckpt / INNER[engine]):
-        loaded = load_model(path)
+        loaded = load_model(path, trust_checkpoint=True)
         assert loaded.tied is tied and set(loaded.matrices) == set(from_ckpt["matrices"])
         for role, source in loaded.matrices.items():
             assert torch.equal(source.read(0, source.shape[0]), weights[NAMES[role]]), (path, role)
@@ -109,7 +112,7 @@ def test_a_zero3_checkpoint_of_a_low_rank_run_reports_a_times_b(tmp_path):
     weights = load_file(run / "weights.safetensors")
     assert {"lm_head.A", "lm_head.B"} <= set(weights) and "lm_head.weight" not in weights
     w = ref_product(weights["lm_head.A"], weights["lm_head.B"])
-    p, data = _report(ckpt, ckpt / "global_step4", "--out", tmp_path / "r")
+    p, data = _report(ckpt, ckpt / "global_step4", "--out", tmp_path / "r", "--trust-checkpoint")
     assert p.returncode == 0, p.stderr
     for m in data["models"]:
         assert m["kind"] == "deepspeed" and m["tied"] is False and set(m["matrices"]) == {"embedding", "head"}
@@ -117,7 +120,7 @@ def test_a_zero3_checkpoint_of_a_low_rank_run_reports_a_times_b(tmp_path):
         assert_head(m["matrices"]["head"], w)
         e = weights[NAMES["embedding"]].double().numpy()
         assert m["matrices"]["embedding"]["raw"]["mean_cosine"] == pytest.approx(ref_mean_cosine(e), rel=1e-6, abs=1e-9)
-    head = load_model(ckpt).matrices["head"]
+    head = load_model(ckpt, trust_checkpoint=True).matrices["head"]
     torch.testing.assert_close(head.read(0, head.shape[0]).double(), torch.from_numpy(w), rtol=1e-6, atol=1e-7)
 
 
@@ -144,23 +147,23 @@ def test_an_incomplete_deepspeed_checkpoint_names_what_is_missing(trained, tmp_p
         return folder
 
     rank1 = broken("rank1", "global_step4/zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    p, _ = _report(rank1, "--out", tmp_path / "r")
+    p, _ = _report(rank1, "--out", tmp_path / "r", "--trust-checkpoint")
     assert p.returncode == 2, p.stderr
     assert (f"the DeepSpeed checkpoint {rank1 / 'global_step4'} is incomplete: "
             "no zero_pp_rank_1_mp_rank_00_optim_states.pt") in p.stderr
     with pytest.raises(ReportError, match="incomplete: no zero_pp_rank_0_mp_rank_00_optim_states.pt"):
-        load_model(broken("rank0", "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        load_model(broken("rank0", "global_step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"), trust_checkpoint=True)
     models = [f"global_step4/zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)]
     with pytest.raises(ReportError, match=r"incomplete: no \*_model_states\.pt"):
-        load_model(broken("models", *models))
+        load_model(broken("models", *models), trust_checkpoint=True)
     with pytest.raises(ReportError, match="its 'latest' file names 'global_step9', but there is no .*global_step9"):
         load_model(broken("tag", latest="global_step9\n"))
     no_latest = broken("no_latest", "latest")
     with pytest.raises(ReportError, match=r"without its 'latest' file .*\(global_step4\); pass that global_stepN folder"):
         load_model(no_latest)
-    assert load_model(no_latest / "global_step4").kind == "deepspeed"
+    assert load_model(no_latest / "global_step4", trust_checkpoint=True).kind == "deepspeed"
     with pytest.raises(ReportError, match="--text-file needs a Hugging Face model folder; .* is a DeepSpeed ZeRO checkpoint"):
         load_model(source, need_model=True)
     monkeypatch.setitem(sys.modules, "deepspeed.utils.zero_to_fp32", None)  # as if not installed
     with pytest.raises(ReportError, match=r"global_step4 is a DeepSpeed ZeRO checkpoint; .*\(pip install deepspeed\)"):
-        load_model(source)
+        load_model(source, trust_checkpoint=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -233,11 +234,32 @@ head is tied to the embedding (None when only one of them is there), and the not
 head (None for an ordinary one)."""
 
 
-def lightning_tensors(path: Path, embedding: str | None, head: str | None) -> Matrices:
+UNTRUSTED = ("pass --trust-checkpoint (trust_checkpoint=True in Python) only if you trust where it came from, "
+             "since loading a pickle runs any code it holds")
+"""The end of every refusal to unpickle a checkpoint: the flag that allows it, and why it is asked for."""
+
+
+def untrusted_pickle(path: Path, what: str, safe_route: str) -> ReportError:
+    """The one-line refusal to read `path`, whose `what` needs ``torch.load(weights_only=False)``,
+    naming the flag and `safe_route`, a way to a weights-only file without this tool."""
+    return ReportError(f"{path}: {what}; {UNTRUSTED}, or {safe_route}")
+
+
+def lightning_tensors(path: Path, embedding: str | None, head: str | None, *, trust: bool = False) -> Matrices:
     """The matrices of a Lightning ``.ckpt``; the head is tied when it has the same storage as
-    the embedding. Read with ``torch.load(weights_only=True, mmap=True)``: no code runs."""
+    the embedding. Read with ``torch.load(weights_only=True, mmap=True)``: no code runs. A
+    checkpoint holding other objects (hyperparameters of a custom class) is unpickled with
+    ``weights_only=False`` only when `trust` is set."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        if not trust:
+            found = re.search(r"GLOBAL ([\w.]+)", str(e))
+            raise untrusted_pickle(path, "this Lightning checkpoint holds objects other than tensors"
+                                   + (f" ({found.group(1)})" if found else ""),
+                                   "save its ckpt['state_dict'] with safetensors.torch.save_file in the program that "
+                                   "wrote it and report that file") from None
+        ckpt = _load_pickle(path, "the Lightning checkpoint")
     except Exception as e:
         raise ReportError(f"cannot read the Lightning checkpoint {path}: {_one_line(e)}") from None
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
@@ -314,6 +336,14 @@ def deepspeed_folder(path: Path) -> tuple[Path, str] | None:
     return path, tag
 
 
+def _load_pickle(path: Path, what: str) -> Any:
+    """``torch.load(path, weights_only=False)``: for a checkpoint the user said they trust."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as e:
+        raise ReportError(f"cannot read {what} {path}: {_one_line(e)}") from None
+
+
 def _zero_missing(tag_dir: Path) -> list[str]:
     """The shard files that DeepSpeed needs and `tag_dir` lacks: a model states file, and the
     optimizer shard of every rank its first shard's partition count says there were."""
@@ -322,8 +352,7 @@ def _zero_missing(tag_dir: Path) -> list[str]:
     if not optim:
         return [*missing, "*_optim_states.pt"]
     try:
-        state = torch.load(optim[0], map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
-        count = state["partition_count"]
+        count = _load_pickle(optim[0], "the ZeRO shard")["optimizer_state_dict"]["partition_count"]
     except Exception:
         return missing
     world = max(count) if isinstance(count, (list, tuple)) else int(count)
@@ -352,12 +381,17 @@ def _zero_state(folder: Path, tag: str) -> dict[str, Any]:
         raise ReportError(f"cannot consolidate the DeepSpeed checkpoint {where}: {_one_line(e)}") from None
 
 
-def zero_tensors(folder: Path, tag: str, embedding: str | None, head: str | None) -> Matrices:
+def zero_tensors(folder: Path, tag: str, embedding: str | None, head: str | None, *,
+                 trust: bool = False) -> Matrices:
     """The matrices of a DeepSpeed ZeRO (stage 1-3) checkpoint, ``folder/tag``, consolidated
     from every rank's fp32 master-weight partitions by DeepSpeed's own code (lazily: under ZeRO-3
     only these two, or the embedding and a low-rank head's factors, are assembled); the head is
-    tied when DeepSpeed records it as a parameter shared with the embedding. The shards are pickles:
-    DeepSpeed loads them with ``weights_only=False``, so read only checkpoints you trust."""
+    tied when DeepSpeed records it as a parameter shared with the embedding. The shards are pickles
+    that DeepSpeed loads with ``weights_only=False``: refused unless `trust` is set."""
+    if not trust:
+        raise untrusted_pickle(folder / tag, "a DeepSpeed ZeRO checkpoint's shards are pickles",
+                               f"convert it with `python -m deepspeed.utils.zero_to_fp32 {folder} OUT -t {tag} "
+                               "--safe_serialization` and report OUT")
     state = _zero_state(folder, tag)
     picked, factors = _pick({k: (v.shape, v.dtype) for k, v in state.items()}, embedding, head, str(folder / tag))
     tied = None if len(picked) < 2 else factors is None and state[picked["head"]] is state[picked["embedding"]]
@@ -374,6 +408,6 @@ def zero_tensors(folder: Path, tag: str, embedding: str | None, head: str | None
     return out, tied, note
 
 
-__all__ = ["HEAD_MODULES", "INPUT_NAME", "OUTPUT_NAME", "HeadNote", "LowRankFactors", "dcp_folder", "dcp_tensors",
-           "deepspeed_folder", "factors_beside", "head_factors", "lightning_tensors", "low_rank_head", "low_rank_product",
-           "product_dtype", "weight_difference", "zero_tensors"]
+__all__ = ["HEAD_MODULES", "INPUT_NAME", "OUTPUT_NAME", "UNTRUSTED", "HeadNote", "LowRankFactors", "dcp_folder",
+           "dcp_tensors", "deepspeed_folder", "factors_beside", "head_factors", "lightning_tensors", "low_rank_head",
+           "low_rank_product", "product_dtype", "untrusted_pickle", "weight_difference", "zero_tensors"]

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--head", metavar="NAME", help="parameter name of the LM head in a Lightning .ckpt or a DCP checkpoint")
     r.add_argument("--gram-rows", metavar="M", type=int, default=None,
                    help="rows sampled for the Gram-based metrics (default: exact unless 2·V·d² > 2e11 flops)")
+    r.add_argument("--trust-checkpoint", action="store_true",
+                   help="read checkpoints that are pickles (DeepSpeed ZeRO shards; a Lightning .ckpt holding objects): "
+                        "loading one runs any code it holds, so only for checkpoints you trust")
     r.add_argument("--no-plots", action="store_true", help="write report.json and report.md only")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--json", action="store_true", help="also print report.json to stdout")

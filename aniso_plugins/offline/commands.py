@@ -64,7 +64,7 @@ def report(a: argparse.Namespace) -> int:
     text = TextOptions(text_file=a.text_file, max_tokens=a.max_tokens, counts_file=a.counts_file)
     matrices = MatrixOptions(tensor=a.tensor, embedding=a.embedding, head=a.head, gram_rows=a.gram_rows)
     with warnings_on_stderr("report"):
-        report = analyze(a.models, text, matrices, post, progress=not a.quiet)
+        report = analyze(a.models, text, matrices, post, progress=not a.quiet, trust_checkpoint=a.trust_checkpoint)
     for m in report.models:
         if not a.quiet:  # what the report says about how a model was read; its warnings are logged
             for note in m.get("notes", []):

@@ -271,6 +271,7 @@ def analyze(
     *,
     names: Sequence[str] | None = None,
     progress: bool = True,
+    trust_checkpoint: bool = False,
 ) -> Report:
     """Analyse one or several models (paths, modules or tensors) into one side-by-side `Report`.
 
@@ -278,7 +279,9 @@ def analyze(
     matrices are read and how their Gram is computed (`MatrixOptions`). postprocess: names
     ("centering", "whitening", "zca", "all_but_the_top", "rotation", "hadamard") or transform
     objects with ``fit``/``transform``. names: the models' column names (default: from their
-    paths). progress: a tqdm bar on stderr. Raises `ReportError` on bad input."""
+    paths). progress: a tqdm bar on stderr. trust_checkpoint: read checkpoints that only unpickle
+    with ``weights_only=False`` (DeepSpeed ZeRO shards), which runs any code they hold; they are
+    refused without it. Raises `ReportError` on bad input."""
     _check_options(text, matrices)
     if isinstance(models, (str, os.PathLike, nn.Module, torch.Tensor)):
         models = [models]
@@ -292,7 +295,7 @@ def analyze(
     transforms = _transforms(postprocess)
     loaded = [
         load_model(m, tensor=tensors, need_model=corpus is not None, name=(names[i] if names and i < len(names) else None),
-                   embedding=matrices.embedding, head=matrices.head)
+                   embedding=matrices.embedding, head=matrices.head, trust_checkpoint=trust_checkpoint)
         for i, m in enumerate(models)
     ]
     _unique_names(loaded)
@@ -321,14 +324,16 @@ def write_report(
     plots: bool = True,
     progress: bool = False,
     name: str | None = None,
+    trust_checkpoint: bool = False,
 ) -> list[str]:
     """Write the report of one model (e.g. an in-memory model at the end of training) into
     `out_dir`: report.json, report.md and the PNGs (needs matplotlib; without it, only the
     JSON and Markdown). `text` + `tokenizer` (or the model dir's tokenizer with `text_file`)
     add the text-based parts. Returns the written paths. The model's mode and weights are left
-    as they were."""
+    as they were. trust_checkpoint: as in `analyze`."""
     options = TextOptions(text_file=text_file, text=text, tokenizer=tokenizer, max_tokens=max_tokens)
-    report = analyze([model], options, postprocess=postprocess, progress=progress, names=[name] if name else None)
+    report = analyze([model], options, postprocess=postprocess, progress=progress, names=[name] if name else None,
+                     trust_checkpoint=trust_checkpoint)
     if plots:
         try:
             require_matplotlib()

@@ -533,7 +533,7 @@ def _loaded_head(model: nn.Module, path: Path, info: dict[str, Any]) -> list[Hea
 
 
 def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str | None,
-                        need_model: bool) -> LoadedModel | None:
+                        need_model: bool, trust: bool) -> LoadedModel | None:
     """A Lightning ``.ckpt``, a DCP checkpoint folder (torchtitan's; an HF Trainer's FSDP
     ``SHARDED_STATE_DICT`` one) or a DeepSpeed ZeRO checkpoint; None for anything else.
 
@@ -542,9 +542,9 @@ def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str
     ``model.safetensors`` is absent (or empty placeholders) under ZeRO-3 without
     ``stage3_gather_16bit_weights_on_model_save``, and otherwise the engine's module weights,
     16-bit under bf16/fp16 training. Name that file (``checkpoint-N/model.safetensors``) to
-    report it instead."""
+    report it instead. `trust`: unpickle what needs it (DeepSpeed's shards, a ``.ckpt`` with objects)."""
     if path.is_file() and path.suffix == ".ckpt":
-        tensors, tied, note = lightning_tensors(path, embedding, head)
+        tensors, tied, note = lightning_tensors(path, embedding, head, trust=trust)
         kind = "lightning"
     elif path.is_dir() and (zero := deepspeed_folder(path)) is not None:
         if need_model:
@@ -552,7 +552,7 @@ def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str
                               "(its matrices are reported without a text); write one with `python -m "
                               f"deepspeed.utils.zero_to_fp32 {zero[0]} OUT -t {zero[1]} --safe_serialization`, then "
                               "copy config.json and the tokenizer files into OUT")
-        tensors, tied, note = zero_tensors(*zero, embedding, head)
+        tensors, tied, note = zero_tensors(*zero, embedding, head, trust=trust)
         kind, path = "deepspeed", zero[0] / zero[1]
     elif path.is_dir() and (dcp := dcp_folder(path)) is not None:
         tensors, tied, note = dcp_tensors(dcp[0], embedding, head, prefix=dcp[1])
@@ -565,15 +565,17 @@ def _trainer_checkpoint(path: Path, label: str, embedding: str | None, head: str
 
 def load_model(spec: str | os.PathLike | nn.Module | torch.Tensor, *, tensor: Sequence[str] | None = None,
                need_model: bool = False, name: str | None = None, embedding: str | None = None,
-               head: str | None = None) -> LoadedModel:
-    """Resolve one MODEL argument (see the module docstring). Raises `ReportError`."""
+               head: str | None = None, trust_checkpoint: bool = False) -> LoadedModel:
+    """Resolve one MODEL argument (see the module docstring). Raises `ReportError`.
+    trust_checkpoint: allow ``torch.load(weights_only=False)``, which runs the code a pickle holds
+    (DeepSpeed ZeRO shards; a Lightning ``.ckpt`` holding objects); refused without it."""
     if isinstance(spec, (torch.Tensor, nn.Module)):
         return _in_memory(spec, name)
     path = Path(spec)
     label = _label(path, name)
     if not path.exists():
         raise ReportError(f"no such file or directory: {path}")
-    loaded = _trainer_checkpoint(path, label, embedding, head, need_model)
+    loaded = _trainer_checkpoint(path, label, embedding, head, need_model, trust_checkpoint)
     if loaded is not None:
         return loaded
     loaded = _safetensors_model(path, label, tensor)
