@@ -104,6 +104,9 @@ def test_the_patterns_are_named_with_their_code():
     assert head_bypass_in_forward(model, "lm_head") is None  # transformers' own forward calls its head
     found = head_bypass_in_forward(PATCHES["helper_style"](model), "lm_head")
     assert found is not None and "loss_of" in found and "test_head_bypass" in found
+
+
+def test_trls_fused_lm_head_is_named_with_its_code():
     found = head_bypass_in_forward(_trl_patched(tiny_llama(vocab=64, tied=False)), "lm_head")
     assert found is not None and "trl.trainer.utils" in found and "_fused_forward" in found
 

@@ -86,10 +86,42 @@ def test_the_wheel_has_py_typed_the_license_the_command_and_the_version(built):
     assert wheel.read(f"{info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
     meta = email.message_from_bytes(wheel.read(f"{info}/METADATA"))
     assert (meta["Version"], meta["License-Expression"]) == (__version__, "Apache-2.0")
-    assert "aniso = aniso_plugins.offline.cli:main" in wheel.read(f"{info}/entry_points.txt").decode()
+    entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+    assert "aniso = aniso_plugins.offline.cli:main" in entry_points
+    assert "[axolotl.plugins]\naniso = aniso_plugins.integrations.axolotl:AnisoPlugin" in entry_points
+    assert "aniso_plugins/integrations/axolotl.py" in names
+    assert meta["Requires-Python"] == ">=3.11"
 
 
 def test_aniso_version_prints_the_package_version():
     proc = subprocess.run([sys.executable, "-m", "aniso_plugins.offline.cli", "--version"], capture_output=True,
                           text=True, timeout=60)
     assert (proc.returncode, proc.stdout.strip()) == (0, f"aniso {__version__}")
+
+
+def test_the_lower_bounds_are_the_tested_floor():
+    """pyproject.toml's lower bound of every dependency that .ci/floor installs at its floor is that
+    floor (.ci/floor.txt), in every extra that names it but torchtitan's (its own torch pin); the
+    others are the main suite's versions."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parent.parent
+    floor = {}
+    for line in (root / ".ci" / "floor.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            floor[name.strip().lower()] = version.strip()
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    requirements += [Requirement(r) for name, extra in project["optional-dependencies"].items() for r in extra
+                     if not r.startswith("aniso-plugins") and name != "torchtitan"]  # torchtitan 0.3.0 pins torch 2.14
+    checked = set()
+    for req in requirements:
+        if req.name.lower() in floor:
+            lower = [s.version for s in req.specifier if s.operator == ">="]
+            assert lower == [floor[req.name.lower()]], f"{req}: the floor tested in .ci/floor is {floor[req.name.lower()]}"
+            checked.add(req.name.lower())
+    assert checked == set(floor)  # every floor pin is a dependency of the package
+    assert project["requires-python"] == ">=3.11"

@@ -239,3 +239,18 @@ def test_fused_outputs_from_logits_equal_an_explicit_float64_loop():
             assert float(got["entropy"][b, t]) == pytest.approx(want[1], abs=1e-5)
             assert bool(got["is_top1"][b, t]) == want[2] and bool(got["label_mask"][b, t]) == (y != -100)
     assert float(got["loss"]) == pytest.approx(-float(got["log_probs"].sum()) / 6, rel=1e-6)  # 6 labelled targets
+
+
+def test_a_trl_older_than_the_floor_is_refused_at_construction(tmp_path, monkeypatch):
+    """TRL 1.9 (Axolotl 0.19.0's pin) trains SFTTrainer's loss from lm_head.weight by a route the
+    methods never see (before this check: AGG raised at the end of step 1); refused at
+    ``SFTTrainer(...)``, naming the floor, with the model untouched."""
+    from aniso_plugins import SetupError
+
+    monkeypatch.setattr(trl, "__version__", "1.9.0")
+    model, head = build("text")
+    before = dict(model.named_modules())
+    with pytest.raises(SetupError, match=r"TRL 1\.9\.0's SFTTrainer is not supported: .*pip install 'trl>=1\.16'"):
+        trl.SFTTrainer(model=model, args=sft_config(tmp_path, "text"), train_dataset=dataset("text"),
+                       processing_class=tokenizer(), callbacks=[AnisoCallback(cfg(method="agg"))])
+    assert dict(model.named_modules()) == before and model.lm_head is head

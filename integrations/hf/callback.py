@@ -124,6 +124,9 @@ class AnisoCallback(TrainerCallback):
                 f"this Trainer's {', '.join(wrapped)} are already replaced on the instance (another AnisoCallback, "
                 "or your own patch): use one AnisoCallback per Trainer, with all options in its AnisoConfig"
             )
+        old_trl = trl.unsupported_version(trainer)
+        if old_trl is not None:
+            raise SetupError(old_trl)
         self.session.check_layout(layout.layout_of(trainer))  # refused before any callback's set-up
         if self.session.handle is None:
             model = hf_handle(trainer.model, self._head).model

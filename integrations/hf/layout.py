@@ -63,7 +63,8 @@ def model_loss_scale(trainer: Trainer, handle: OutputEmbeddingsHandle, supplies_
         return 1.0
     if not trainer.model_accepts_loss_kwargs or loss_divides_by_item_count(handle.model):
         return 1.0
-    scale = float(trainer.args.gradient_accumulation_steps) if trainer.loss_is_scaled_for_ga in (None, True) else 1.0
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)  # transformers >= 5.11; before, as None: the rule above
+    scale = float(trainer.args.gradient_accumulation_steps) if scaled in (None, True) else 1.0
     if trainer.args.average_tokens_across_devices:
         scale *= trainer.accelerator.num_processes
     return scale

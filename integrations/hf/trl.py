@@ -46,6 +46,26 @@ def is_trl_trainer(trainer: object) -> bool:
     return any(c.__module__.split(".")[0] == "trl" for c in type(trainer).__mro__)
 
 
+TRL_FLOOR = (1, 16)
+"""The oldest TRL whose trainers the adapter supports: TRL 1.9 to 1.15's SFTTrainer computes its
+loss from ``lm_head.weight`` by another route, which the methods never see."""
+
+
+def unsupported_version(trainer: object) -> str | None:
+    """Why `trainer`, one of TRL's trainers, cannot be used with the installed TRL (older than
+    `TRL_FLOOR`); None for any other trainer or a supported TRL."""
+    if not is_trl_trainer(trainer):
+        return None
+    import trl
+
+    found = tuple(int(part) for part in trl.__version__.split(".")[:2] if part.isdigit())
+    if found >= TRL_FLOOR:
+        return None
+    return (f"TRL {trl.__version__}'s {type(trainer).__name__} is not supported: aniso_plugins works with TRL's trainers "
+            f"from trl {'.'.join(map(str, TRL_FLOOR))} on (pip install 'trl>={'.'.join(map(str, TRL_FLOOR))}'); "
+            "transformers' Trainer and its subclasses (Axolotl's AxolotlTrainer) do not need TRL")
+
+
 def labels_at_fused_call(trainer: object) -> bool:
     """Whether `trainer` is one of TRL's trainers whose batches carry no labels: its loss builds
     them and passes them to the policy's fused calls (DPO, KTO, GRPO, RLOO, ...; not SFTTrainer)."""
@@ -228,5 +248,5 @@ def fused_outputs_from_logits(
     return _fields(log_probs.view(shape), extra, targets, shift_labels is None, num_items_in_batch)
 
 
-__all__ = ["SFT_TOKEN_OUTPUTS", "announce_fused_calls", "fused_outputs_from_logits", "head_bypassed", "is_trl_trainer",
-           "labels_at_fused_call", "route_through_head", "token_outputs"]
+__all__ = ["SFT_TOKEN_OUTPUTS", "TRL_FLOOR", "announce_fused_calls", "fused_outputs_from_logits", "head_bypassed",
+           "is_trl_trainer", "labels_at_fused_call", "route_through_head", "token_outputs", "unsupported_version"]
