@@ -47,8 +47,9 @@ def is_trl_trainer(trainer: object) -> bool:
 
 
 TRL_FLOOR = (1, 16)
-"""The oldest TRL whose trainers the adapter supports: TRL 1.9 to 1.15's SFTTrainer computes its
-loss from ``lm_head.weight`` by another route, which the methods never see."""
+"""The oldest TRL whose trainers the adapter supports (the one tested): TRL 1.9's SFTTrainer
+computes its loss from ``lm_head.weight`` by another route, which the methods never see; 1.10 to
+1.15 are untested."""
 
 
 def unsupported_version(trainer: object) -> str | None:
