@@ -3,7 +3,7 @@
 builds Axolotl's own Trainer and trains AGG on a tiny Llama, padded and with Axolotl's sample
 packing (``position_ids`` restarting per document); the step-1 LM-head gradient equals the
 float64 three-logit reference computed from the plain run's gradient. Without ``aniso_`` keys the
-plugin does nothing (bit-identical gradient, no callback). Axolotl's config validation reports our
+plugin does nothing (no callback, no logged aniso value). Axolotl's config validation reports our
 errors: a bad value, a misspelt key, Liger's fused linear cross-entropy and Cut Cross-Entropy
 beside a method. The runs are subprocesses of tests/axolotl_script.py, as ``axolotl train``
 builds them.
