@@ -27,7 +27,6 @@ plugins through the ``axolotl.plugins`` entry point, which this package declares
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,20 +60,10 @@ def _fields() -> list[str]:
 
 def config_from(cfg: Mapping[str, Any]) -> AnisoConfig | None:
     """The `AnisoConfig` of an Axolotl config's ``aniso_`` keys (unset or None: the field's
-    default); None when no key is set. Raises `AnisoError` (our message) on a bad value and
-    `ValueError` on an ``aniso_`` key that is no field, naming the closest."""
-    given = {k: v for k, v in cfg.items() if isinstance(k, str) and k.startswith(PREFIX) and v is not None}
-    if not given:
-        return None
-    fields = set(_fields())
-    unknown = sorted(k for k in given if k[len(PREFIX):] not in fields)
-    if unknown:
-        said = [f"{k!r}" + (f" (did you mean {', '.join(PREFIX + c for c in close)}?)"
-                            if (close := difflib.get_close_matches(k[len(PREFIX):], fields, n=2)) else "")
-                for k in unknown]
-        raise ValueError(f"unknown aniso_plugins keys {', '.join(said)}: every AnisoConfig field is a key "
-                         "aniso_<field> (docs/configuration.md lists them)")
-    return AnisoConfig.from_dict({k[len(PREFIX):]: v for k, v in given.items()})
+    default); None when no key is set. Raises `AnisoError` (`AnisoConfig`'s message) on a bad
+    value or an ``aniso_`` key that is no field, naming the closest fields."""
+    given = {k[len(PREFIX):]: v for k, v in cfg.items() if isinstance(k, str) and k.startswith(PREFIX) and v is not None}
+    return AnisoConfig.from_dict(given) if given else None
 
 
 def head_bypass(cfg: Mapping[str, Any], config: AnisoConfig) -> str | None:

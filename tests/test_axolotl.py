@@ -119,7 +119,8 @@ def test_axolotl_validation_reports_our_errors(load_cfg):
     assert cfg.aniso_method == "agg" and cfg.aniso_alpha == 0.5 and cfg.aniso_window is None
     with pytest.raises(Exception, match=r"aniso_plugins: .*alpha"):
         load_cfg(aniso_method="agg", aniso_alpha=-1)
-    with pytest.raises(Exception, match=r"unknown aniso_plugins keys 'aniso_alpah' \(did you mean aniso_alpha\?\)"):
+    with pytest.raises(Exception, match=r"aniso_plugins: unknown configuration fields "
+                       r"\['alpah'\]: 'alpah' \(did you mean 'alpha'\?\)"):
         load_cfg(aniso_method="agg", aniso_alpah=0.5)
     with pytest.raises(Exception, match=r"aniso_plugins: .*method.*'agg'"):
         load_cfg(aniso_method="aggg")

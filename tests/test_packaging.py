@@ -124,4 +124,8 @@ def test_the_lower_bounds_are_the_tested_floor():
             assert lower == [floor[req.name.lower()]], f"{req}: the floor tested in .ci/floor is {floor[req.name.lower()]}"
             checked.add(req.name.lower())
     assert checked == set(floor)  # every floor pin is a dependency of the package
+    trl = [s.version for r in requirements if r.name == "trl" for s in r.specifier if s.operator == ">="]
+    from aniso_plugins.integrations.hf.trl import TRL_FLOOR  # the adapter's refusal names the same floor
+
+    assert trl == [".".join(map(str, TRL_FLOOR)) + ".0"]
     assert project["requires-python"] == ">=3.11"
